@@ -1,0 +1,206 @@
+// The dstate I/O owner (DESIGN.md section 6).
+//
+// Every DRAM <-> register transition along the dstate (N) axis goes through this
+// header: the kernels' recurrence bodies work on float32 register arrays only and
+// issue no raw load or store of pool, B, C or A elements themselves.
+//
+// A row along N is read in chunks of VEC elements. The layout decision is a
+// template parameter (kUnit), made once by the caller outside the chunk loop:
+//   kUnit = true   unit stride: one vector-wide load/store per chunk
+//                  (16-byte transactions on CUDA; auto-vectorised loops on CPU)
+//   kUnit = false  any other stride: a scalar gather/scatter per element
+// A stride-0 operand is not a row: it is read once with load_splat() and used as
+// a scalar. The tail chunk (N % VEC elements) always goes through the scalar
+// partial path, in both layouts, so the arithmetic -- and therefore the result --
+// never depends on the layout.
+//
+// Host/device clean: compiled by g++ for the CPU kernels and by nvcc for CUDA.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define SSD_HD __host__ __device__ __forceinline__
+#else
+#define SSD_HD inline
+#endif
+
+namespace ssd {
+
+// The three element types the pool and the inputs may have.
+enum class Dtype : int8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+template <typename T> struct DtypeOf;
+template <> struct DtypeOf<float> { static constexpr Dtype value = Dtype::kFloat32; };
+template <> struct DtypeOf<c10::BFloat16> { static constexpr Dtype value = Dtype::kBFloat16; };
+template <> struct DtypeOf<c10::Half> { static constexpr Dtype value = Dtype::kFloat16; };
+
+// Widen is exact; narrow rounds to nearest even (c10's conversions do both, on
+// host and device alike).
+SSD_HD float widen(float v) { return v; }
+SSD_HD float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T> SSD_HD T narrow(float v) { return T(v); }
+template <> SSD_HD float narrow<float>(float v) { return v; }
+
+// One element whose type is known only at run time (per-channel scalars: x, z,
+// dt, D, dt_bias, a broadcast A, and y).
+SSD_HD float load_scalar(const void* base, int64_t offset, Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kBFloat16: return widen(static_cast<const c10::BFloat16*>(base)[offset]);
+    case Dtype::kFloat16: return widen(static_cast<const c10::Half*>(base)[offset]);
+    default: return static_cast<const float*>(base)[offset];
+  }
+}
+
+SSD_HD void store_scalar(void* base, int64_t offset, Dtype dtype, float v) {
+  switch (dtype) {
+    case Dtype::kBFloat16: static_cast<c10::BFloat16*>(base)[offset] = narrow<c10::BFloat16>(v); break;
+    case Dtype::kFloat16: static_cast<c10::Half*>(base)[offset] = narrow<c10::Half>(v); break;
+    default: static_cast<float*>(base)[offset] = v; break;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Chunk verbs: VEC elements of one row into / out of a float register array.
+// ---------------------------------------------------------------------------
+
+// Unit stride. On CUDA the caller guarantees 16-byte alignment of p whenever
+// VEC * sizeof(T) is a multiple of 16 (checked once on the host).
+template <int VEC, typename T>
+SSD_HD void load_unit(const T* p, float (&r)[VEC]) {
+#if defined(__CUDA_ARCH__)
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+    constexpr int kPer16 = 16 / sizeof(T);
+#pragma unroll
+    for (int i = 0; i < VEC / kPer16; ++i) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[i];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer16; ++j) r[i * kPer16 + j] = widen(e[j]);
+    }
+    return;
+  }
+#endif
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) r[v] = widen(p[v]);
+}
+
+template <int VEC, typename T>
+SSD_HD void store_unit(T* p, const float (&r)[VEC]) {
+#if defined(__CUDA_ARCH__)
+  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+    constexpr int kPer16 = 16 / sizeof(T);
+#pragma unroll
+    for (int i = 0; i < VEC / kPer16; ++i) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer16; ++j) e[j] = narrow<T>(r[i * kPer16 + j]);
+      reinterpret_cast<uint4*>(p)[i] = raw;
+    }
+    return;
+  }
+#endif
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) p[v] = narrow<T>(r[v]);
+}
+
+// Any stride: one scalar access per element.
+template <int VEC, typename T>
+SSD_HD void load_gather(const T* p, int64_t stride, float (&r)[VEC]) {
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) r[v] = widen(p[v * stride]);
+}
+
+template <int VEC, typename T>
+SSD_HD void store_scatter(T* p, int64_t stride, const float (&r)[VEC]) {
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) p[v * stride] = narrow<T>(r[v]);
+}
+
+// The tail chunk: `count` < VEC elements, the rest of r set to zero.
+template <int VEC, typename T>
+SSD_HD void load_partial(const T* p, int64_t stride, int count, float (&r)[VEC]) {
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) r[v] = v < count ? widen(p[v * stride]) : 0.0f;
+}
+
+template <int VEC, typename T>
+SSD_HD void store_partial(T* p, int64_t stride, int count, const float (&r)[VEC]) {
+#pragma unroll
+  for (int v = 0; v < VEC; ++v)
+    if (v < count) p[v * stride] = narrow<T>(r[v]);
+}
+
+// A stride-0 operand: one load, used as a scalar.
+template <typename T>
+SSD_HD float load_splat(const T* p) { return widen(*p); }
+
+// One row along N with its layout fixed at compile time. chunk c covers
+// elements [c * VEC, c * VEC + VEC).
+template <int VEC, bool kUnit, typename T>
+struct DstateRow {
+  T* base;
+  int64_t stride;  // in elements; ignored when kUnit
+
+  SSD_HD void load(int64_t c, float (&r)[VEC]) const {
+    if constexpr (kUnit) load_unit<VEC>(base + c * VEC, r);
+    else load_gather<VEC>(base + c * VEC * stride, stride, r);
+  }
+  SSD_HD void store(int64_t c, const float (&r)[VEC]) const {
+    if constexpr (kUnit) store_unit<VEC>(base + c * VEC, r);
+    else store_scatter<VEC>(base + c * VEC * stride, stride, r);
+  }
+  SSD_HD void load_tail(int64_t c, int count, float (&r)[VEC]) const {
+    load_partial<VEC>(base + c * VEC * (kUnit ? 1 : stride), kUnit ? 1 : stride, count, r);
+  }
+  SSD_HD void store_tail(int64_t c, int count, const float (&r)[VEC]) const {
+    store_partial<VEC>(base + c * VEC * (kUnit ? 1 : stride), kUnit ? 1 : stride, count, r);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Row verbs (one thread, one whole row): what the load_state / load_bc /
+// store_state ops do per (row, head, p) or (row, group).
+// ---------------------------------------------------------------------------
+
+// Widen n elements of src (stride `stride`) into contiguous float dst.
+template <int VEC, bool kUnit, typename T>
+SSD_HD void load_row(const T* src, int64_t stride, int64_t n, float* dst) {
+  const DstateRow<VEC, kUnit, const T> row{src, stride};
+  const int64_t full = n / VEC;
+  float r[VEC];
+  for (int64_t c = 0; c < full; ++c) {
+    row.load(c, r);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) dst[c * VEC + v] = r[v];
+  }
+  if (const int rest = static_cast<int>(n - full * VEC)) {
+    row.load_tail(full, rest, r);
+    for (int v = 0; v < rest; ++v) dst[full * VEC + v] = r[v];
+  }
+}
+
+// Round n float32 elements of src (stride src_stride) into dst (stride
+// dst_stride), once. kUnit: both strides are 1.
+template <int VEC, bool kUnit, typename T>
+SSD_HD void store_row(const float* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t n) {
+  const DstateRow<VEC, kUnit, const float> in{src, src_stride};
+  const DstateRow<VEC, kUnit, T> out{dst, dst_stride};
+  const int64_t full = n / VEC;
+  float r[VEC];
+  for (int64_t c = 0; c < full; ++c) {
+    in.load(c, r);
+    out.store(c, r);
+  }
+  if (const int rest = static_cast<int>(n - full * VEC)) {
+    in.load_tail(full, rest, r);
+    out.store_tail(full, rest, r);
+  }
+}
+
+}  // namespace ssd

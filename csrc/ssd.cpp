@@ -1,0 +1,331 @@
+// TORCH_LIBRARY(ssd): the operator schemas (DESIGN.md section 1), the argument
+// checks every backend shares (section 4), checked mode (section 3) and the
+// Autograd registration that refuses gradients.
+#include "ssd.h"
+
+#include <ATen/ATen.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace ssd {
+
+namespace {
+
+std::atomic<bool> g_checks{[] {
+  const char* env = std::getenv("TORCH_SSD_CHECKS");
+  return env != nullptr && std::strcmp(env, "") != 0 && std::strcmp(env, "0") != 0;
+}()};
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
+  os << (sizes.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+bool is_float_dtype(at::ScalarType s) {
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
+}
+
+void check_float(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(is_float_dtype(t.scalar_type()), "ssd.", op, ": argument '", name,
+              "' must be float32, bfloat16 or float16, got ", t.scalar_type());
+}
+
+// `dims` names the expected sizes, e.g. "(T, H, P)".
+void check_shape(const char* op, const char* name, const Tensor& t, const char* dims,
+                 std::vector<int64_t> expected) {
+  TORCH_CHECK(t.sizes().equals(expected), "ssd.", op, ": argument '", name, "' must have shape ",
+              dims, " = ", shape_str(expected), ", got ", shape_str(t.sizes()));
+}
+
+void check_rank(const char* op, const char* name, const Tensor& t, int64_t rank, const char* dims) {
+  TORCH_CHECK(t.dim() == rank, "ssd.", op, ": argument '", name, "' must be ", rank, "-D ", dims,
+              ", got a ", t.dim(), "-D tensor of shape ", shape_str(t.sizes()));
+}
+
+void check_device(const char* op, const char* name, const Tensor& t, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, "ssd.", op, ": argument '", name, "' must be on ", device,
+              " like ssm_pool, got ", t.device());
+}
+
+void check_operand(const char* op, const char* name, const Tensor& t, const at::Device& device,
+                   const char* dims, std::vector<int64_t> expected) {
+  check_device(op, name, t, device);
+  check_rank(op, name, t, static_cast<int64_t>(expected.size()), dims);
+  check_shape(op, name, t, dims, std::move(expected));
+  check_float(op, name, t);
+}
+
+void check_opt_operand(const char* op, const char* name, const OptTensor& t, const at::Device& device,
+                       const char* dims, std::vector<int64_t> expected) {
+  if (t.has_value()) check_operand(op, name, *t, device, dims, std::move(expected));
+}
+
+void check_index(const char* op, const char* name, const OptTensor& idx, int64_t T,
+                 const at::Device& device) {
+  if (!idx.has_value()) return;
+  check_device(op, name, *idx, device);
+  TORCH_CHECK(idx->scalar_type() == at::kInt || idx->scalar_type() == at::kLong, "ssd.", op,
+              ": argument '", name, "' must be int32 or int64, got ", idx->scalar_type());
+  check_rank(op, name, *idx, 1, "(T,)");
+  check_shape(op, name, *idx, "(T,)", {T});
+}
+
+// Checked mode: every slot must be the pad id or a slot of the pool.
+void check_slot_values(const char* op, const char* name, const OptTensor& idx, int64_t S,
+                       int64_t pad_slot_id) {
+  if (!idx.has_value() || !checks_enabled()) return;
+  const Tensor host = idx->to(at::kCPU, at::kLong).contiguous();
+  const int64_t* v = host.data_ptr<int64_t>();
+  for (int64_t t = 0; t < host.numel(); ++t) {
+    TORCH_CHECK(v[t] == pad_slot_id || (v[t] >= 0 && v[t] < S), "ssd.", op, ": row ", t, ": ",
+                name, "[", t, "] = ", v[t], " is not a slot of ssm_pool (which has S = ", S,
+                " slots) and is not pad_slot_id = ", pad_slot_id,
+                " (checked mode; torch_ssd.set_checks(False) treats it as a pad row)");
+  }
+}
+
+void check_pool(const char* op, const Tensor& ssm_pool) {
+  check_rank(op, "ssm_pool", ssm_pool, 4, "(S, H, P, N)");
+  check_float(op, "ssm_pool", ssm_pool);
+}
+
+void check_rows_fit(const char* op, const OptTensor& slot_idx, int64_t S, int64_t T) {
+  TORCH_CHECK(slot_idx.has_value() || T <= S, "ssd.", op, ": ssm_pool has S = ", S,
+              " slots, fewer than the T = ", T,
+              " rows; without slot_idx row t uses slot t, so S must be >= T");
+}
+
+OperandRef operand_ref(const OptTensor& t) {
+  OperandRef r;
+  if (!t.has_value()) return r;
+  r.data = t->data_ptr();
+  r.dtype = to_dtype(*t);
+  for (int64_t i = 0; i < t->dim() && i < 4; ++i) r.stride[i] = t->stride(i);
+  return r;
+}
+
+}  // namespace
+
+bool checks_enabled() { return g_checks.load(std::memory_order_relaxed); }
+void set_checks(bool enabled) { g_checks.store(enabled, std::memory_order_relaxed); }
+
+Dtype to_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return Dtype::kBFloat16;
+    case at::kHalf: return Dtype::kFloat16;
+    case at::kFloat: return Dtype::kFloat32;
+    default: TORCH_CHECK(false, "ssd: unsupported dtype ", t.scalar_type());
+  }
+}
+
+SlotRef slot_ref(const OptTensor& idx) {
+  SlotRef r;
+  if (!idx.has_value()) return r;
+  r.data = idx->data_ptr();
+  r.stride = idx->stride(0);
+  r.is_int64 = idx->scalar_type() == at::kLong;
+  return r;
+}
+
+Dims check_load_state(const Tensor& ssm_pool, const OptTensor& slot_idx, int64_t pad_slot_id) {
+  const char* op = "load_state";
+  check_pool(op, ssm_pool);
+  Dims d;
+  d.S = ssm_pool.size(0), d.H = ssm_pool.size(1), d.P = ssm_pool.size(2), d.N = ssm_pool.size(3);
+  d.T = slot_idx.has_value() && slot_idx->dim() == 1 ? slot_idx->size(0) : d.S;
+  check_index(op, "slot_idx", slot_idx, d.T, ssm_pool.device());
+  check_slot_values(op, "slot_idx", slot_idx, d.S, pad_slot_id);
+  return d;
+}
+
+Dims check_load_bc(const Tensor& B, const Tensor& C) {
+  const char* op = "load_bc";
+  check_rank(op, "B", B, 3, "(T, G, N)");
+  check_float(op, "B", B);
+  Dims d;
+  d.T = B.size(0), d.G = B.size(1), d.N = B.size(2);
+  check_operand(op, "C", C, B.device(), "(T, G, N) like B", {d.T, d.G, d.N});
+  return d;
+}
+
+Dims check_store_state(const Tensor& state, const Tensor& ssm_pool, const OptTensor& slot_idx,
+                       int64_t pad_slot_id) {
+  const char* op = "store_state";
+  check_pool(op, ssm_pool);
+  Dims d;
+  d.S = ssm_pool.size(0), d.H = ssm_pool.size(1), d.P = ssm_pool.size(2), d.N = ssm_pool.size(3);
+  check_device(op, "state", state, ssm_pool.device());
+  check_rank(op, "state", state, 4, "(T, H, P, N)");
+  d.T = state.size(0);
+  check_shape(op, "state", state, "(T, H, P, N)", {d.T, d.H, d.P, d.N});
+  TORCH_CHECK(state.scalar_type() == at::kFloat, "ssd.", op,
+              ": argument 'state' must be float32 (the verb rounds float32 to the pool dtype), got ",
+              state.scalar_type());
+  check_index(op, "slot_idx", slot_idx, d.T, ssm_pool.device());
+  check_rows_fit(op, slot_idx, d.S, d.T);
+  check_slot_values(op, "slot_idx", slot_idx, d.S, pad_slot_id);
+  return d;
+}
+
+Dims check_decode_step(const char* op, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt,
+                       const Tensor& A, const Tensor& B, const Tensor& C, const OptTensor& D,
+                       const OptTensor& z, const OptTensor& dt_bias, const OptTensor& slot_idx,
+                       const OptTensor& dst_slot_idx, int64_t pad_slot_id, const Tensor* out) {
+  check_pool(op, ssm_pool);
+  const at::Device device = ssm_pool.device();
+  Dims d;
+  d.S = ssm_pool.size(0), d.H = ssm_pool.size(1), d.P = ssm_pool.size(2), d.N = ssm_pool.size(3);
+
+  check_device(op, "x", x, device);
+  check_rank(op, "x", x, 3, "(T, H, P)");
+  d.T = x.size(0);
+  check_shape(op, "x", x, "(T, H, P)", {d.T, d.H, d.P});
+  check_float(op, "x", x);
+
+  check_device(op, "B", B, device);
+  check_rank(op, "B", B, 3, "(T, G, N)");
+  d.G = B.size(1);
+  TORCH_CHECK(d.G > 0 && d.H % d.G == 0, "ssd.", op, ": argument 'B' has G = ", d.G,
+              " groups, which must divide the H = ", d.H, " heads of ssm_pool");
+  check_shape(op, "B", B, "(T, G, N)", {d.T, d.G, d.N});
+  check_float(op, "B", B);
+  check_operand(op, "C", C, device, "(T, G, N)", {d.T, d.G, d.N});
+  check_operand(op, "dt", dt, device, "(T, H, P)", {d.T, d.H, d.P});
+  check_operand(op, "A", A, device, "(H, P, N)", {d.H, d.P, d.N});
+  check_opt_operand(op, "D", D, device, "(H, P)", {d.H, d.P});
+  check_opt_operand(op, "z", z, device, "(T, H, P)", {d.T, d.H, d.P});
+  check_opt_operand(op, "dt_bias", dt_bias, device, "(H, P)", {d.H, d.P});
+  check_index(op, "slot_idx", slot_idx, d.T, device);
+  check_index(op, "dst_slot_idx", dst_slot_idx, d.T, device);
+  check_rows_fit(op, slot_idx, d.S, d.T);
+  if (out != nullptr) {
+    check_device(op, "out", *out, device);
+    check_rank(op, "out", *out, 3, "(T, H, P)");
+    check_shape(op, "out", *out, "(T, H, P)", {d.T, d.H, d.P});
+    TORCH_CHECK(out->scalar_type() == x.scalar_type(), "ssd.", op,
+                ": argument 'out' must have x's dtype ", x.scalar_type(), ", got ", out->scalar_type());
+  }
+  check_slot_values(op, "slot_idx", slot_idx, d.S, pad_slot_id);
+  check_slot_values(op, "dst_slot_idx", dst_slot_idx, d.S, pad_slot_id);
+  return d;
+}
+
+StepParams make_step_params(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt,
+                            const Tensor& A, const Tensor& B, const Tensor& C, const OptTensor& D,
+                            const OptTensor& z, const OptTensor& dt_bias, bool dt_softplus,
+                            const OptTensor& slot_idx, const OptTensor& dst_slot_idx,
+                            int64_t pad_slot_id, const Tensor& y) {
+  StepParams s;
+  s.S = d.S, s.T = d.T, s.H = d.H, s.P = d.P, s.N = d.N, s.G = d.G;
+  s.heads_per_group = d.H / d.G;
+  s.pool = ssm_pool.data_ptr();
+  for (int i = 0; i < 4; ++i) s.pool_stride[i] = ssm_pool.stride(i);
+  s.pool_dtype = to_dtype(ssm_pool);
+  s.x = operand_ref(x), s.dt = operand_ref(dt), s.A = operand_ref(A);
+  s.B = operand_ref(B), s.C = operand_ref(C);
+  s.D = operand_ref(D), s.z = operand_ref(z), s.dt_bias = operand_ref(dt_bias);
+  s.y = y.data_ptr();
+  for (int i = 0; i < 3; ++i) s.y_stride[i] = y.stride(i);
+  s.y_dtype = to_dtype(y);
+  s.src = slot_ref(slot_idx);
+  s.dst = dst_slot_idx.has_value() ? slot_ref(dst_slot_idx) : s.src;
+  s.pad_slot_id = pad_slot_id;
+  s.dt_softplus = dt_softplus;
+  return s;
+}
+
+namespace {
+
+// Autograd: these ops have no derivative. With grad mode on, an input that
+// requires grad is refused here, by name, instead of returning a result that
+// silently drops out of the graph. Otherwise the call goes on below autograd, and
+// the version counters of the mutated arguments are bumped as an in-place op would.
+void refuse_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const auto inputs = torch::jit::last(*stack, args.size());
+  std::vector<Tensor> mutated;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!inputs[i].isTensor()) continue;
+    const Tensor& t = inputs[i].toTensor();
+    if (!t.defined()) continue;
+    TORCH_CHECK(!(at::GradMode::is_enabled() && t.requires_grad()), "ssd.", schema.name().substr(5),
+                ": argument '", args[i].name(),
+                "' requires grad, but torch.ops.ssd ops have no autograd support "
+                "(run under torch.no_grad() or torch.inference_mode(), or pass a detached tensor)");
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) mutated.push_back(t);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const Tensor& t : mutated)
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace
+
+}  // namespace ssd
+
+TORCH_LIBRARY(ssd, m) {
+  m.def("load_state(Tensor ssm_pool, Tensor? slot_idx=None, int pad_slot_id=-1) -> Tensor");
+  m.def("load_bc(Tensor B, Tensor C) -> (Tensor, Tensor)");
+  m.def(
+      "store_state(Tensor state, Tensor(a!) ssm_pool, Tensor? slot_idx=None, int pad_slot_id=-1) -> ()");
+  m.def(
+      "decode_step(Tensor(a!) ssm_pool, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+      "Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, bool dt_softplus=False, "
+      "Tensor? slot_idx=None, Tensor? dst_slot_idx=None, int pad_slot_id=-1) -> Tensor");
+  m.def(
+      "decode_step_out(Tensor(a!) ssm_pool, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+      "Tensor? D, Tensor? z, Tensor? dt_bias, bool dt_softplus, Tensor? slot_idx, "
+      "Tensor? dst_slot_idx, int pad_slot_id, Tensor(b!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ssd, Autograd, m) {
+  for (const char* name : {"load_state", "load_bc", "store_state", "decode_step", "decode_step_out"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&ssd::refuse_autograd>());
+}
+
+// Python-side helpers: checked mode, and the shared checks for the MPS path
+// (whose kernels are launched from Python).
+PYBIND11_MODULE(_C, mod) {
+  mod.def("set_checks", &ssd::set_checks, "Turn checked mode on or off.");
+  mod.def("checks_enabled", &ssd::checks_enabled, "Whether checked mode is on.");
+  mod.def(
+      "check_decode_step",
+      [](const char* op, const at::Tensor& pool, const at::Tensor& x, const at::Tensor& dt,
+         const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, const ssd::OptTensor& D,
+         const ssd::OptTensor& z, const ssd::OptTensor& dt_bias, const ssd::OptTensor& slot_idx,
+         const ssd::OptTensor& dst_slot_idx, int64_t pad_slot_id, const ssd::OptTensor& out) {
+        const auto d = ssd::check_decode_step(op, pool, x, dt, A, B, C, D, z, dt_bias, slot_idx,
+                                              dst_slot_idx, pad_slot_id, out ? &*out : nullptr);
+        return std::vector<int64_t>{d.S, d.T, d.H, d.P, d.N, d.G};
+      },
+      "The decode step's argument checks; returns (S, T, H, P, N, G).");
+  mod.def(
+      "check_load_state",
+      [](const at::Tensor& pool, const ssd::OptTensor& slot_idx, int64_t pad_slot_id) {
+        const auto d = ssd::check_load_state(pool, slot_idx, pad_slot_id);
+        return std::vector<int64_t>{d.S, d.T, d.H, d.P, d.N};
+      });
+  mod.def("check_load_bc", [](const at::Tensor& B, const at::Tensor& C) {
+    const auto d = ssd::check_load_bc(B, C);
+    return std::vector<int64_t>{d.T, d.G, d.N};
+  });
+  mod.def("check_store_state", [](const at::Tensor& state, const at::Tensor& pool,
+                                  const ssd::OptTensor& slot_idx, int64_t pad_slot_id) {
+    const auto d = ssd::check_store_state(state, pool, slot_idx, pad_slot_id);
+    return std::vector<int64_t>{d.S, d.T, d.H, d.P, d.N};
+  });
+}

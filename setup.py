@@ -1,0 +1,60 @@
+"""Build torch_ssd._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc exists.
+
+Install with:  pip install --no-build-isolation -e .
+(build isolation would pull a fresh, multi-GB torch; the build must see the installed one)
+
+Environment:
+  TORCH_SSD_CUDA=0|1       force the CUDA build off / on (default: auto-detect)
+  TORCH_CUDA_ARCH_LIST     CUDA targets (default here: "8.0;9.0")
+  TORCH_SSD_DEBUG=1        -O0 -g
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("TORCH_SSD_CUDA")
+    if forced is not None:
+        return forced == "1"
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def extension():
+    debug = os.environ.get("TORCH_SSD_DEBUG") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # -ffp-contract=off: no silent FMA contraction, so the vector and the scalar
+    # path of a kernel round identically (DESIGN.md: layout never changes the answer).
+    cxx = opt + ["-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
+    sources = ["csrc/ssd.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    if not want_cuda():
+        return cpp_extension.CppExtension(
+            "torch_ssd._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=False
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-v" if os.environ.get("TORCH_SSD_PTXAS_V") else ""]
+    nvcc = [f for f in nvcc if f]
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    return cpp_extension.CUDAExtension(
+        "torch_ssd._C", sources, extra_compile_args={"cxx": cxx + ["-DTORCH_SSD_WITH_CUDA"], "nvcc": nvcc}
+    )
+
+
+setup(
+    name="torch_ssd",
+    version="0.1.0",
+    description="Mamba-2 / SSD decode-step kernels as torch.ops.ssd custom ops (CPU, CUDA, MPS)",
+    packages=find_packages(include=["torch_ssd", "torch_ssd.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.7"],
+    extras_require={"plot": ["matplotlib"], "test": ["pytest", "expecttest"]},
+)
