@@ -12,6 +12,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace ssd {
@@ -91,6 +92,21 @@ void check_slot_values(const char* op, const char* name, const OptTensor& idx, i
                 name, "[", t, "] = ", v[t], " is not a slot of ssm_pool (which has S = ", S,
                 " slots) and is not pad_slot_id = ", pad_slot_id,
                 " (checked mode; torch_ssd.set_checks(False) treats it as a pad row)");
+  }
+}
+
+// Checked mode: rows that write state must name distinct slots (unchecked, the
+// last such row wins; see last_writer in step.h).
+void check_unique_slots(const char* op, const char* name, const OptTensor& idx, int64_t pad_slot_id) {
+  if (!idx.has_value() || !checks_enabled()) return;
+  const Tensor host = idx->to(at::kCPU, at::kLong).contiguous();
+  const int64_t* v = host.data_ptr<int64_t>();
+  std::unordered_map<int64_t, int64_t> first_row;
+  for (int64_t t = 0; t < host.numel(); ++t) {
+    if (v[t] == pad_slot_id) continue;
+    const auto [it, fresh] = first_row.emplace(v[t], t);
+    TORCH_CHECK(fresh, "ssd.", op, ": rows ", it->second, " and ", t, " both write slot ", v[t],
+                " (", name, " has a duplicate destination; checked mode rejects it, unchecked the last row wins)");
   }
 }
 
@@ -174,6 +190,7 @@ Dims check_store_state(const Tensor& state, const Tensor& ssm_pool, const OptTen
   check_index(op, "slot_idx", slot_idx, d.T, ssm_pool.device());
   check_rows_fit(op, slot_idx, d.S, d.T);
   check_slot_values(op, "slot_idx", slot_idx, d.S, pad_slot_id);
+  check_unique_slots(op, "slot_idx", slot_idx, pad_slot_id);
   return d;
 }
 
@@ -217,6 +234,8 @@ Dims check_decode_step(const char* op, const Tensor& ssm_pool, const Tensor& x, 
   }
   check_slot_values(op, "slot_idx", slot_idx, d.S, pad_slot_id);
   check_slot_values(op, "dst_slot_idx", dst_slot_idx, d.S, pad_slot_id);
+  if (dst_slot_idx.has_value()) check_unique_slots(op, "dst_slot_idx", dst_slot_idx, pad_slot_id);
+  else check_unique_slots(op, "slot_idx", slot_idx, pad_slot_id);
   return d;
 }
 

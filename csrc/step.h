@@ -68,6 +68,25 @@ struct StepParams {
   }
 };
 
+// Whether row t writes its state to slot dst. Rows that share a destination slot
+// would race; the contract is that the last such row (highest t) writes and the
+// others only compute y. A row whose source is a pad writes nothing. `src` is the
+// rows' source slots (store_state has none: pass an empty SlotRef and T rows).
+SSD_HD bool last_writer(const SlotRef& dst_idx, const SlotRef& src_idx, bool has_src, int64_t T,
+                        int64_t S, int64_t pad_slot_id, int64_t t, int64_t dst) {
+  if (!slot_addressable(dst, S, pad_slot_id)) return false;
+  if (dst_idx.data == nullptr) return true;  // row t -> slot t: no duplicates possible
+  for (int64_t u = t + 1; u < T; ++u) {
+    if (dst_idx.slot(u, u) != dst) continue;
+    if (!has_src || slot_addressable(src_idx.slot(u, u), S, pad_slot_id)) return false;
+  }
+  return true;
+}
+
+SSD_HD bool row_writes(const StepParams& s, int64_t t, int64_t dst) {
+  return last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
+}
+
 // ---------------------------------------------------------------------------
 // Per-channel float32 arithmetic (channel = (t, h, p)).
 // ---------------------------------------------------------------------------

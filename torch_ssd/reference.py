@@ -34,6 +34,14 @@ def slot_rows(
     return slot, valid
 
 
+def _overwritten_later(slot: Tensor, valid: Tensor) -> Tensor:
+    """Rows whose slot a later valid row writes too: of rows sharing a destination
+    slot, only the last one (highest row index) writes (DESIGN.md section 3)."""
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    same = (slot.view(-1, 1) == slot.view(1, -1)) & valid.view(1, -1) & (rows.view(1, -1) > rows.view(-1, 1))
+    return same.any(dim=1)
+
+
 def load_state(
     ssm_pool: Tensor,
     slot_idx: Tensor | None = None,
@@ -62,7 +70,8 @@ def store_state(
     """The pool after writing ``state`` rows to their slots (rounded once, RNE)."""
     new_pool = ssm_pool.clone()
     slot, valid = slot_rows(state.shape[0], ssm_pool.shape[0], slot_idx, pad_slot_id, ssm_pool.device)
-    new_pool[slot[valid]] = state[valid].to(ssm_pool.dtype)
+    keep = valid & ~_overwritten_later(slot, valid)
+    new_pool[slot[keep]] = state[keep].to(ssm_pool.dtype)
     return new_pool
 
 

@@ -63,7 +63,7 @@ void step_range(const StepParams& s, int64_t begin, int64_t end) {
       continue;
     }
     const int64_t dst = s.dst.slot(t, t);
-    const bool write = slot_addressable(dst, s.S, s.pad_slot_id);
+    const bool write = row_writes(s, t, dst);
     if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
       widen_row(s.B, t * s.B.stride[0] + g * s.B.stride[1], s.B.stride[2], N, Bf);
       widen_row(s.C, t * s.C.stride[0] + g * s.C.stride[1], s.C.stride[2], N, Cf);
@@ -224,7 +224,7 @@ void store_state_cpu(const Tensor& state, const Tensor& ssm_pool, const OptTenso
         for (int64_t r = begin; r < end; ++r) {
           const int64_t t = r / rows_per_slot, h = (r / d.P) % d.H, p = r % d.P;
           const int64_t slot = slots.slot(t, t);
-          if (!slot_addressable(slot, d.S, pad_slot_id)) continue;
+          if (!last_writer(slots, SlotRef{}, false, d.T, d.S, pad_slot_id, t, slot)) continue;
           const float* src = in + t * state.stride(0) + h * state.stride(1) + p * state.stride(2);
           T* row = pool + slot * ssm_pool.stride(0) + h * ssm_pool.stride(1) + p * ssm_pool.stride(2);
           store_row<kVec, decltype(unit)::value>(src, in_sn, row, sn, d.N);
