@@ -13,6 +13,7 @@ import glob
 import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -32,19 +33,37 @@ def extension():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     # -ffp-contract=off: no silent FMA contraction, so the vector and the scalar
     # path of a kernel round identically (DESIGN.md: layout never changes the answer).
-    cxx = opt + ["-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
+    # No -std here: torch's build helper adds the standard its headers need
+    # (C++20 since torch 2.10; torch 2.14's headers no longer compile as C++17).
+    cxx = opt + ["-ffp-contract=off", "-fvisibility=hidden"]
     sources = ["csrc/ssd.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     if not want_cuda():
         return cpp_extension.CppExtension(
             "torch_ssd._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=False
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    nvcc = opt + ["-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas=-v" if os.environ.get("TORCH_SSD_PTXAS_V") else ""]
-    nvcc = [f for f in nvcc if f]
+    # --fmad=false: like -ffp-contract=off above, no silent FMA contraction, so every
+    # template instantiation of a kernel (vector / gather path, per-N / splat A)
+    # rounds the same expression the same way.
+    nvcc = opt + ["--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
+    if os.environ.get("TORCH_SSD_PTXAS_V"):
+        nvcc.append("-Xptxas=-v")
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     return cpp_extension.CUDAExtension(
         "torch_ssd._C", sources, extra_compile_args={"cxx": cxx + ["-DTORCH_SSD_WITH_CUDA"], "nvcc": nvcc}
     )
+
+
+class BuildPyWithMetal(build_py):
+    """Ship the Metal kernel sources inside the package: csrc/metal/*.metal ->
+    torch_ssd/metal/ in the build tree (a checkout finds them in csrc/metal)."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "torch_ssd", "metal")
+        self.mkpath(target)
+        for source in sorted(glob.glob(os.path.join(ROOT, "csrc", "metal", "*.metal"))):
+            self.copy_file(source, os.path.join(target, os.path.basename(source)))
 
 
 setup(
@@ -53,7 +72,10 @@ setup(
     description="Mamba-2 / SSD decode-step kernels as torch.ops.ssd custom ops (CPU, CUDA, MPS)",
     packages=find_packages(include=["torch_ssd", "torch_ssd.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={
+        "build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True),
+        "build_py": BuildPyWithMetal,
+    },
     python_requires=">=3.10",
     install_requires=["torch>=2.7"],
     extras_require={"plot": ["matplotlib"], "test": ["pytest", "expecttest"]},

@@ -21,6 +21,8 @@
 #include <c10/util/Half.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #if defined(__CUDACC__)
 #define SSD_HD __host__ __device__ __forceinline__
 #else
@@ -40,11 +42,55 @@ template <> struct DtypeOf<c10::Half> { static constexpr Dtype value = Dtype::kF
 // Widen is exact; narrow rounds to nearest even (c10's conversions do both, on
 // host and device alike).
 SSD_HD float widen(float v) { return v; }
-SSD_HD float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
 
 template <typename T> SSD_HD T narrow(float v) { return T(v); }
 template <> SSD_HD float narrow<float>(float v) { return v; }
+
+#if defined(__CUDACC__) || !defined(__GNUC__)  // nvcc (both passes) keeps c10's conversions
+SSD_HD float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
+#else
+// Host half types: the same values as c10's conversions (round to nearest even),
+// written so the compiler vectorises the chunk loops: c10's bfloat16 rounding
+// branches on NaN per element, and its float16 conversion is a long bit-twiddle.
+inline float widen(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+// Raw storage bits of the rounded value; plain integer arithmetic on arrays of
+// these vectorises where constructing c10 structs element by element does not.
+inline uint16_t narrow_bits(float v, c10::BFloat16) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // nearest, ties to even
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);  // NaN stays NaN
+}
+template <> inline c10::BFloat16 narrow<c10::BFloat16>(float v) {
+  return c10::BFloat16(narrow_bits(v, c10::BFloat16{}), c10::BFloat16::from_bits());
+}
+#if defined(__FLT16_MAX__)  // the compiler has _Float16 (F16C instructions where enabled)
+inline float widen(c10::Half v) {
+  _Float16 h;
+  __builtin_memcpy(&h, &v.x, sizeof h);
+  return static_cast<float>(h);
+}
+inline uint16_t narrow_bits(float v, c10::Half) {
+  const _Float16 h = static_cast<_Float16>(v);
+  uint16_t bits;
+  __builtin_memcpy(&bits, &h, sizeof bits);
+  return bits;
+}
+#else
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline uint16_t narrow_bits(float v, c10::Half) { return c10::Half(v).x; }
+#endif
+template <> inline c10::Half narrow<c10::Half>(float v) {
+  return c10::Half(narrow_bits(v, c10::Half{}), c10::Half::from_bits());
+}
+#define SSD_HOST_NARROW_BITS 1
+#endif
 
 // One element whose type is known only at run time (per-channel scalars: x, z,
 // dt, D, dt_bias, a broadcast A, and y).
@@ -85,6 +131,19 @@ SSD_HD void load_unit(const T* p, float (&r)[VEC]) {
     return;
   }
 #endif
+#if defined(SSD_HOST_NARROW_BITS) && defined(__FLT16_MAX__)
+  if constexpr (std::is_same_v<T, c10::Half> && VEC % 8 == 0) {  // F16C's vcvtph2ps where enabled
+    typedef float f32x8 __attribute__((vector_size(32)));
+    typedef _Float16 f16x8 __attribute__((vector_size(16)));
+    for (int i = 0; i < VEC; i += 8) {
+      f16x8 h;
+      __builtin_memcpy(&h, p + i, sizeof h);
+      const f32x8 f = __builtin_convertvector(h, f32x8);
+      __builtin_memcpy(r + i, &f, sizeof f);
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int v = 0; v < VEC; ++v) r[v] = widen(p[v]);
 }
@@ -104,6 +163,36 @@ SSD_HD void store_unit(T* p, const float (&r)[VEC]) {
     }
     return;
   }
+#endif
+#if defined(SSD_HOST_NARROW_BITS)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && VEC % 8 == 0) {
+    // Explicit 8-lane vectors: the compiler's vectoriser gives up on this rounding
+    // inside the large step loop and would leave it one element at a time.
+    typedef uint32_t u32x8 __attribute__((vector_size(32)));
+    typedef uint16_t u16x8 __attribute__((vector_size(16)));
+    for (int i = 0; i < VEC; i += 8) {
+      u32x8 bits;
+      __builtin_memcpy(&bits, r + i, sizeof bits);
+      const u32x8 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // nearest, ties to even
+      const u32x8 nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;                // all-ones lanes
+      const u16x8 out = __builtin_convertvector((nan & 0x7FC0u) | (~nan & rounded), u16x8);
+      __builtin_memcpy(static_cast<void*>(p + i), &out, sizeof out);
+    }
+    return;
+  }
+#if defined(__FLT16_MAX__)
+  if constexpr (std::is_same_v<T, c10::Half> && VEC % 8 == 0) {  // F16C's vcvtps2ph where enabled
+    typedef float f32x8 __attribute__((vector_size(32)));
+    typedef _Float16 f16x8 __attribute__((vector_size(16)));
+    for (int i = 0; i < VEC; i += 8) {
+      f32x8 f;
+      __builtin_memcpy(&f, r + i, sizeof f);
+      const f16x8 h = __builtin_convertvector(f, f16x8);
+      __builtin_memcpy(static_cast<void*>(p + i), &h, sizeof h);
+    }
+    return;
+  }
+#endif
 #endif
 #pragma unroll
   for (int v = 0; v < VEC; ++v) p[v] = narrow<T>(r[v]);
@@ -202,5 +291,44 @@ SSD_HD void store_row(const float* src, int64_t src_stride, T* dst, int64_t dst_
     out.store_tail(full, rest, r);
   }
 }
+
+// ---------------------------------------------------------------------------
+// CUDA only: asynchronous staging of unit-stride chunks into shared memory
+// (cp.async on sm_80+). A staged chunk occupies no register while it is in
+// flight, so a block can keep far more bytes in flight than its registers hold.
+// The caller guarantees 16-byte alignment of both addresses.
+// ---------------------------------------------------------------------------
+#if defined(__CUDACC__)
+template <int VEC, typename T>
+__device__ __forceinline__ void stage_unit_async(const T* p, void* smem) {
+  static_assert(VEC * sizeof(T) == 16, "one chunk is one 16-byte copy");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(p) : "memory");
+#else
+  *static_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(p);
+#endif
+}
+
+// Close the group of copies issued so far (call after issuing a batch).
+__device__ __forceinline__ void stage_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until every chunk this thread staged has landed (visible to this thread).
+__device__ __forceinline__ void stage_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Widen a staged chunk.
+template <int VEC, typename T>
+__device__ __forceinline__ void load_staged(const void* smem, float (&r)[VEC]) {
+  load_unit<VEC>(static_cast<const T*>(smem), r);
+}
+#endif  // __CUDACC__
 
 }  // namespace ssd

@@ -118,4 +118,122 @@ SSD_HD float finish_y(const StepParams& s, float sum, int64_t t, int64_t h, int6
   return y;
 }
 
+
+// ---------------------------------------------------------------------------
+// Multi-token decode step (speculative decoding): the K tokens of a row advance
+// one float32 state kept in registers; the state after token k may be written
+// to its own slot. Shared by every backend; docs/multi_token.md is the contract.
+// ---------------------------------------------------------------------------
+
+// "No slot": negative, so slot_addressable() is false for it whatever pad_slot_id is.
+constexpr int64_t kNoSlot = -1;
+
+// A slot table: absent (data == nullptr), (T,) or (T, W); int32 or int64.
+struct SlotTable {
+  const void* data = nullptr;
+  int64_t row_stride = 0, col_stride = 0;
+  int64_t cols = 1;        // W for a (T, W) table, 1 for a (T,) table
+  bool per_token = false;  // a (T, W) table: column k belongs to token k
+  bool is_int64 = true;
+
+  SSD_HD bool present() const { return data != nullptr; }
+  SSD_HD int64_t at(int64_t t, int64_t c) const {
+    const int64_t i = t * row_stride + c * col_stride;
+    return is_int64 ? static_cast<const int64_t*>(data)[i]
+                    : static_cast<int64_t>(static_cast<const int32_t*>(data)[i]);
+  }
+};
+
+struct MultiStepParams {
+  // Shapes (T = rows), pool, per-channel operands. The token-indexed operands
+  // (x, dt, B, C, z, y) are 3-D views at a row's token 0; token_view() moves them.
+  StepParams step;
+  int64_t K = 0;  // fixed form: tokens per row (0 in the varlen form)
+  int64_t L = 0;  // varlen form: tokens on the flat axis
+  // Element stride from one token of a row to the next, per token-indexed operand.
+  int64_t x_tok = 0, dt_tok = 0, B_tok = 0, C_tok = 0, z_tok = 0, y_tok = 0;
+  SlotTable src, dst;     // dst is src's table when dst_slot_idx is None
+  SlotRef num_accepted;   // (T,); absent: data == nullptr
+  SlotRef cu_seqlens;     // (T + 1,) in the varlen form; absent in the fixed form
+  bool write_state = true;
+};
+
+// A row's tokens: index `first` on the token axis of the 3-D views, `count` tokens.
+struct RowTokens {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+// Varlen rows whose bounds are not 0 <= bos <= eos <= L have no tokens (checked
+// mode rejects them), so no kernel reads past the token axis.
+SSD_HD RowTokens multi_row_tokens(const MultiStepParams& m, int64_t t) {
+  if (m.cu_seqlens.data == nullptr) return {t, m.K};
+  const int64_t bos = m.cu_seqlens.slot(t, 0), eos = m.cu_seqlens.slot(t + 1, 0);
+  if (bos < 0 || bos > eos || eos > m.L) return {0, 0};
+  return {bos, eos - bos};
+}
+
+// The slot row t starts from. With num_accepted_tokens n (vLLM's semantics) it is
+// column n - 1 of the source table (n = 0 reads column 0); an n outside [0, W]
+// makes the row a pad row.
+SSD_HD int64_t multi_source_slot(const MultiStepParams& m, int64_t t) {
+  if (!m.src.present()) return t;
+  int64_t col = 0;
+  if (m.num_accepted.data != nullptr) {
+    const int64_t n = m.num_accepted.slot(t, 0);
+    if (n < 0 || n > m.src.cols) return kNoSlot;
+    col = n > 0 ? n - 1 : 0;
+  }
+  return m.src.at(t, col);
+}
+
+// Where the state after token k of row t (a row of `count` tokens) goes: its own
+// column of a per-token table, or -- for a (T,) table or none -- the row's slot,
+// after the last token only. kNoSlot when nothing is written.
+SSD_HD int64_t multi_dest_slot(const MultiStepParams& m, int64_t t, int64_t k, int64_t count) {
+  if (!m.write_state) return kNoSlot;
+  if (m.dst.per_token) return k < m.dst.cols ? m.dst.at(t, k) : kNoSlot;
+  if (k != count - 1) return kNoSlot;
+  return m.dst.present() ? m.dst.at(t, 0) : t;
+}
+
+// Whether the write of token k of row t to `slot` happens. Of the writes that
+// share a slot the last one in (row, token) order wins; a pad row writes nothing.
+// The caller has checked that row t's source slot is addressable.
+SSD_HD bool multi_last_writer(const MultiStepParams& m, int64_t t, int64_t k, int64_t count,
+                              int64_t slot) {
+  const StepParams& s = m.step;
+  if (!slot_addressable(slot, s.S, s.pad_slot_id)) return false;
+  if (!m.dst.present()) return true;  // one write per row, to slot t: no duplicates
+  for (int64_t u = t; u < s.T; ++u) {
+    const RowTokens r = u == t ? RowTokens{0, count} : multi_row_tokens(m, u);
+    if (r.count == 0) continue;
+    if (u != t && !slot_addressable(multi_source_slot(m, u), s.S, s.pad_slot_id)) continue;
+    const int64_t begin = u == t ? k + 1 : (m.dst.per_token ? 0 : r.count - 1);
+    const int64_t end = m.dst.per_token && r.count > m.dst.cols ? m.dst.cols : r.count;
+    for (int64_t j = begin; j < end; ++j)
+      if (multi_dest_slot(m, u, j, r.count) == slot) return false;
+  }
+  return true;
+}
+
+SSD_HD int64_t dtype_size(Dtype d) { return d == Dtype::kFloat32 ? 4 : 2; }
+
+SSD_HD const void* shift_elements(const void* p, int64_t n, Dtype d) {
+  return p == nullptr ? p : static_cast<const char*>(p) + n * dtype_size(d);
+}
+
+// The single-token view of token k of every row: channel_dt, finish_y and
+// OperandRef::at then index (row's first token, h, p) exactly as in one step.
+SSD_HD StepParams token_view(const MultiStepParams& m, int64_t k) {
+  StepParams s = m.step;
+  s.x.data = shift_elements(s.x.data, k * m.x_tok, s.x.dtype);
+  s.dt.data = shift_elements(s.dt.data, k * m.dt_tok, s.dt.dtype);
+  s.B.data = shift_elements(s.B.data, k * m.B_tok, s.B.dtype);
+  s.C.data = shift_elements(s.C.data, k * m.C_tok, s.C.dtype);
+  s.z.data = shift_elements(s.z.data, k * m.z_tok, s.z.dtype);
+  s.y = const_cast<void*>(shift_elements(s.y, k * m.y_tok, s.y_dtype));
+  return s;
+}
+
 }  // namespace ssd

@@ -13,12 +13,26 @@
 namespace ssd {
 namespace {
 
+// The hot loops are compiled twice on x86-64 Linux: for AVX2/F16C and for the
+// baseline ISA, picked at load time (an ifunc). Baseline SSE2 cannot pack 32-bit
+// lanes to 16 bits, so half-precision pools would stay scalar without it. The
+// templates below are forced inline into these entry points so each clone gets its
+// own code. Mul and add round the same in every ISA (and -ffp-contract=off keeps
+// FMA out), so the clones give bit-identical results.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define SSD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define SSD_CPU_CLONES
+#endif
+#define SSD_CPU_INLINE inline __attribute__((always_inline))
+#define SSD_CPU_INLINE_LAMBDA __attribute__((always_inline))
+
 // Floats per chunk on CPU: four SSE or two AVX registers, enough independent work
 // per chunk for the compiler to keep both load ports busy.
 constexpr int kVec = 16;
 
 template <typename Fn>
-void with_pool_type(Dtype dtype, Fn&& fn) {
+SSD_CPU_INLINE void with_pool_type(Dtype dtype, Fn&& fn) {
   switch (dtype) {
     case Dtype::kBFloat16: fn(c10::BFloat16{}); break;
     case Dtype::kFloat16: fn(c10::Half{}); break;
@@ -27,24 +41,24 @@ void with_pool_type(Dtype dtype, Fn&& fn) {
 }
 
 template <typename Fn>
-void with_layout(bool unit, Fn&& fn) {
+SSD_CPU_INLINE void with_layout(bool unit, Fn&& fn) {
   if (unit) fn(std::true_type{});
   else fn(std::false_type{});
 }
 
 // Widen one row whose dtype is known only at run time (B, C, a per-element A)
 // into contiguous float32 scratch.
-void widen_row(const OperandRef& r, int64_t offset, int64_t stride, int64_t n, float* out) {
-  with_pool_type(r.dtype, [&](auto tag) {
+SSD_CPU_INLINE void widen_row(const OperandRef& r, int64_t offset, int64_t stride, int64_t n, float* out) {
+  with_pool_type(r.dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using T = decltype(tag);
     const T* p = static_cast<const T*>(r.data) + offset;
-    with_layout(stride == 1, [&](auto unit) { load_row<kVec, decltype(unit)::value>(p, stride, n, out); });
+    with_layout(stride == 1, [&](auto unit) SSD_CPU_INLINE_LAMBDA { load_row<kVec, decltype(unit)::value>(p, stride, n, out); });
   });
 }
 
 // The fused step for the (row, head) pairs [begin, end).
 template <typename PoolT, bool kUnit, bool kAPerN>
-void step_range(const StepParams& s, int64_t begin, int64_t end) {
+SSD_CPU_INLINE void step_range(const StepParams& s, int64_t begin, int64_t end) {
   const int64_t N = s.N, full = N / kVec;
   const int rest = static_cast<int>(N - full * kVec);
   std::vector<float> scratch((kAPerN ? 3 : 2) * N);
@@ -53,6 +67,8 @@ void step_range(const StepParams& s, int64_t begin, int64_t end) {
   float* Af = Cf + N;
   PoolT* pool = static_cast<PoolT*>(s.pool);
   int64_t widened_tg = -1;
+  const bool dt_per_head = s.dt.stride[2] == 0 && (!s.dt_bias.present() || s.dt_bias.stride[1] == 0);
+  const bool dA_per_head = dt_per_head && s.A.stride[1] == 0;
 
   for (int64_t th = begin; th < end; ++th) {
     const int64_t t = th / s.H, h = th % s.H, g = h / s.heads_per_group;
@@ -70,13 +86,16 @@ void step_range(const StepParams& s, int64_t begin, int64_t end) {
       widened_tg = t * s.G + g;
     }
 
+    float dtv = 0.0f, dA_splat = 0.0f;
     for (int64_t p = 0; p < s.P; ++p) {
-      const float dtv = channel_dt(s, t, h, p);
+      // Per-head dt / dt_bias / A (stride 0 over P) give the same value for every p:
+      // evaluate softplus and exp once per head, not once per channel.
+      if (p == 0 || !dt_per_head) dtv = channel_dt(s, t, h, p);
       const float xv = s.x.at(t, h, p);
       const float dtx = dtv * xv;
-      float dA_splat = 0.0f;
       if constexpr (kAPerN) widen_row(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
-      else dA_splat = decay(load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype), dtv);
+      else if (N > 0 && (p == 0 || !dA_per_head))  // N == 0: A is empty, nothing decays
+        dA_splat = decay(load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype), dtv);
 
       const DstateRow<kVec, kUnit, const PoolT> in{pool + s.pool_offset(src, h, p), s.pool_stride[3]};
       const DstateRow<kVec, kUnit, PoolT> out{pool + s.pool_offset(dst, h, p), s.pool_stride[3]};
@@ -110,19 +129,22 @@ void step_range(const StepParams& s, int64_t begin, int64_t end) {
   }
 }
 
-void run_step(const StepParams& s, bool unit, bool a_per_n) {
-  // Each (row, head) pair is P * N elements of state: one pair is worth a task.
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, s.P * s.N));
-  with_pool_type(s.pool_dtype, [&](auto tag) {
+SSD_CPU_CLONES void step_rows(const StepParams& s, bool unit, bool a_per_n, int64_t begin, int64_t end) {
+  with_pool_type(s.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using PoolT = decltype(tag);
-    with_layout(unit, [&](auto kUnit) {
-      with_layout(a_per_n, [&](auto kAPerN) {
-        at::parallel_for(0, s.T * s.H, grain, [&](int64_t begin, int64_t end) {
-          step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, begin, end);
-        });
+    with_layout(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
+      with_layout(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
+        step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, begin, end);
       });
     });
   });
+}
+
+void run_step(const StepParams& s, bool unit, bool a_per_n) {
+  // Each (row, head) pair is P * N elements of state: one pair is worth a task.
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, s.P * s.N));
+  at::parallel_for(0, s.T * s.H, grain,
+                   [&](int64_t begin, int64_t end) { step_rows(s, unit, a_per_n, begin, end); });
 }
 
 void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
@@ -159,34 +181,93 @@ void decode_step_out_cpu(const Tensor& ssm_pool, const Tensor& x, const Tensor& 
 // The loader verbs as ops.
 // ---------------------------------------------------------------------------
 
+// The rows of a pool that load_state reads or store_state writes, and the float32
+// state on the other side (load_state's contiguous result, or store_state's input).
+struct PoolRows {
+  void* pool = nullptr;
+  int64_t pool_stride[4] = {0, 0, 0, 0};
+  Dtype pool_dtype = Dtype::kFloat32;
+  float* state = nullptr;
+  int64_t state_stride[4] = {0, 0, 0, 0};
+  SlotRef slots;
+  int64_t S = 0, T = 0, H = 0, P = 0, N = 0, pad_slot_id = -1;
+  bool unit = false;  // both rows have stride 1 along N
+
+  PoolRows(const Tensor& ssm_pool, const Tensor& state_t, const OptTensor& slot_idx, int64_t pad)
+      : pool(ssm_pool.data_ptr()), pool_dtype(to_dtype(ssm_pool)), state(state_t.data_ptr<float>()),
+        slots(slot_ref(slot_idx)), S(ssm_pool.size(0)), T(state_t.size(0)), H(ssm_pool.size(1)),
+        P(ssm_pool.size(2)), N(ssm_pool.size(3)), pad_slot_id(pad) {
+    for (int i = 0; i < 4; ++i) pool_stride[i] = ssm_pool.stride(i), state_stride[i] = state_t.stride(i);
+    unit = N == 1 || (pool_stride[3] == 1 && state_stride[3] == 1);
+  }
+  int64_t pool_offset(int64_t slot, int64_t h, int64_t p) const {
+    return slot * pool_stride[0] + h * pool_stride[1] + p * pool_stride[2];
+  }
+  int64_t state_offset(int64_t t, int64_t h, int64_t p) const {
+    return t * state_stride[0] + h * state_stride[1] + p * state_stride[2];
+  }
+};
+
+// Rows r = (t, h, p) in [begin, end), flattened in that order.
+SSD_CPU_CLONES void load_state_rows(const PoolRows& r, int64_t begin, int64_t end) {
+  with_pool_type(r.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
+    using T = decltype(tag);
+    with_layout(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / (r.H * r.P), h = (i / r.P) % r.H, p = i % r.P;
+        const int64_t slot = r.slots.slot(t, t);
+        float* row = r.state + r.state_offset(t, h, p);
+        if (!slot_addressable(slot, r.S, r.pad_slot_id)) {
+          std::fill(row, row + r.N, 0.0f);  // the result is contiguous
+          continue;
+        }
+        load_row<kVec, decltype(unit)::value>(static_cast<const T*>(r.pool) + r.pool_offset(slot, h, p),
+                                              r.pool_stride[3], r.N, row);
+      }
+    });
+  });
+}
+
+SSD_CPU_CLONES void store_state_rows(const PoolRows& r, int64_t begin, int64_t end) {
+  with_pool_type(r.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
+    using T = decltype(tag);
+    with_layout(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / (r.H * r.P), h = (i / r.P) % r.H, p = i % r.P;
+        const int64_t slot = r.slots.slot(t, t);
+        if (!last_writer(r.slots, SlotRef{}, false, r.T, r.S, r.pad_slot_id, t, slot)) continue;
+        store_row<kVec, decltype(unit)::value>(r.state + r.state_offset(t, h, p), r.state_stride[3],
+                                               static_cast<T*>(r.pool) + r.pool_offset(slot, h, p),
+                                               r.pool_stride[3], r.N);
+      }
+    });
+  });
+}
+
+SSD_CPU_CLONES void widen_rows(const OperandRef& in, int64_t G, int64_t N, float* out, int64_t begin,
+                               int64_t end) {
+  for (int64_t i = begin; i < end; ++i)
+    widen_row(in, (i / G) * in.stride[0] + (i % G) * in.stride[1], in.stride[2], N, out + i * N);
+}
+
+// One (t, h, p) row of N elements is a useful task; aim for ~4k elements a task.
+int64_t row_grain(int64_t N) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, N)); }
+
 Tensor load_state_cpu(const Tensor& ssm_pool, const OptTensor& slot_idx, int64_t pad_slot_id) {
   const Dims d = check_load_state(ssm_pool, slot_idx, pad_slot_id);
   Tensor out = at::empty({d.T, d.H, d.P, d.N}, ssm_pool.options().dtype(at::kFloat));
-  const SlotRef slots = slot_ref(slot_idx);
-  const int64_t rows_per_slot = d.H * d.P;
-  const int64_t sn = ssm_pool.stride(3);
-  float* dst = out.data_ptr<float>();
-  with_pool_type(to_dtype(ssm_pool), [&](auto tag) {
-    using T = decltype(tag);
-    const T* pool = static_cast<const T*>(ssm_pool.data_ptr());
-    with_layout(d.N == 1 || sn == 1, [&](auto unit) {
-      at::parallel_for(0, d.T * rows_per_slot, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, d.N)),
-                       [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t t = r / rows_per_slot, h = (r / d.P) % d.H, p = r % d.P;
-          const int64_t slot = slots.slot(t, t);
-          float* row = dst + r * d.N;
-          if (!slot_addressable(slot, d.S, pad_slot_id)) {
-            std::fill(row, row + d.N, 0.0f);
-            continue;
-          }
-          const T* in = pool + slot * ssm_pool.stride(0) + h * ssm_pool.stride(1) + p * ssm_pool.stride(2);
-          load_row<kVec, decltype(unit)::value>(in, sn, d.N, row);
-        }
-      });
-    });
-  });
+  const PoolRows rows(ssm_pool, out, slot_idx, pad_slot_id);
+  at::parallel_for(0, d.T * d.H * d.P, row_grain(d.N),
+                   [&](int64_t begin, int64_t end) { load_state_rows(rows, begin, end); });
   return out;
+}
+
+void store_state_cpu(const Tensor& state, const Tensor& ssm_pool, const OptTensor& slot_idx,
+                     int64_t pad_slot_id) {
+  const Dims d = check_store_state(state, ssm_pool, slot_idx, pad_slot_id);
+  const PoolRows rows(ssm_pool, state, slot_idx, pad_slot_id);
+  at::parallel_for(0, d.T * d.H * d.P, row_grain(d.N),
+                   [&](int64_t begin, int64_t end) { store_state_rows(rows, begin, end); });
 }
 
 std::tuple<Tensor, Tensor> load_bc_cpu(const Tensor& B, const Tensor& C) {
@@ -197,41 +278,12 @@ std::tuple<Tensor, Tensor> load_bc_cpu(const Tensor& B, const Tensor& C) {
     OperandRef r;
     r.data = in.data_ptr();
     r.dtype = to_dtype(in);
+    for (int i = 0; i < 3; ++i) r.stride[i] = in.stride(i);
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, d.T * d.G, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t t = i / d.G, g = i % d.G;
-        widen_row(r, t * in.stride(0) + g * in.stride(1), in.stride(2), d.N, o + i * d.N);
-      }
-    });
+    at::parallel_for(0, d.T * d.G, row_grain(d.N),
+                     [&](int64_t begin, int64_t end) { widen_rows(r, d.G, d.N, o, begin, end); });
   }
   return {Bf, Cf};
-}
-
-void store_state_cpu(const Tensor& state, const Tensor& ssm_pool, const OptTensor& slot_idx,
-                     int64_t pad_slot_id) {
-  const Dims d = check_store_state(state, ssm_pool, slot_idx, pad_slot_id);
-  const SlotRef slots = slot_ref(slot_idx);
-  const int64_t rows_per_slot = d.H * d.P;
-  const int64_t sn = ssm_pool.stride(3), in_sn = state.stride(3);
-  const float* in = state.data_ptr<float>();
-  with_pool_type(to_dtype(ssm_pool), [&](auto tag) {
-    using T = decltype(tag);
-    T* pool = static_cast<T*>(ssm_pool.data_ptr());
-    with_layout(d.N == 1 || (sn == 1 && in_sn == 1), [&](auto unit) {
-      at::parallel_for(0, d.T * rows_per_slot, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, d.N)),
-                       [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t t = r / rows_per_slot, h = (r / d.P) % d.H, p = r % d.P;
-          const int64_t slot = slots.slot(t, t);
-          if (!last_writer(slots, SlotRef{}, false, d.T, d.S, pad_slot_id, t, slot)) continue;
-          const float* src = in + t * state.stride(0) + h * state.stride(1) + p * state.stride(2);
-          T* row = pool + slot * ssm_pool.stride(0) + h * ssm_pool.stride(1) + p * ssm_pool.stride(2);
-          store_row<kVec, decltype(unit)::value>(src, in_sn, row, sn, d.N);
-        }
-      });
-    });
-  });
 }
 
 }  // namespace

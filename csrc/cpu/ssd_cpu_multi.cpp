@@ -1,0 +1,332 @@
+// CPU kernels of the multi-token decode step (docs/multi_token.md):
+// decode_step_multi(_out) and decode_step_varlen(_out). Parallel over (row, head);
+// for each channel (row, h, p) the source row is read once, chunk by chunk along N,
+// and each chunk advances through the row's tokens in float32 registers; the state
+// after token k is rounded once, on its store. Per element the arithmetic and the
+// reduction tree of y are those of the single-token CPU kernel (ssd_cpu.cpp), so a
+// float32 pool gives the bits of K single steps.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../dstate_io.h"
+#include "../ssd.h"
+#include "../step.h"
+
+namespace ssd {
+namespace {
+
+// As in ssd_cpu.cpp: the hot loop is compiled for AVX2/F16C and for the baseline
+// ISA, picked at load time; mul and add round alike in both (no FMA contraction).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define SSD_MULTI_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define SSD_MULTI_CLONES
+#endif
+#define SSD_MULTI_INLINE inline __attribute__((always_inline))
+
+// Floats per chunk; must equal ssd_cpu.cpp's kVec so that y reduces in the same tree.
+constexpr int kVec = 16;
+
+template <typename Fn>
+SSD_MULTI_INLINE void with_dtype(Dtype dtype, Fn&& fn) {
+  switch (dtype) {
+    case Dtype::kBFloat16: fn(c10::BFloat16{}); break;
+    case Dtype::kFloat16: fn(c10::Half{}); break;
+    default: fn(float{}); break;
+  }
+}
+
+template <typename Fn>
+SSD_MULTI_INLINE void with_flag(bool flag, Fn&& fn) {
+  if (flag) fn(std::true_type{});
+  else fn(std::false_type{});
+}
+
+// Widen one row whose dtype is known only at run time (B, C, a per-element A)
+// into contiguous float32 scratch, through the dstate I/O owner.
+SSD_MULTI_INLINE void widen_row(const OperandRef& r, int64_t offset, int64_t stride, int64_t n, float* out) {
+  with_dtype(r.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = static_cast<const T*>(r.data) + offset;
+    with_flag(stride == 1, [&](auto unit) { load_row<kVec, decltype(unit)::value>(p, stride, n, out); });
+  });
+}
+
+// Per row: its tokens, its source slot, and for each token the slot its state
+// goes to (kNoSlot when it writes nothing). Computed once per call, so the
+// last-writer scan is not repeated per head.
+struct RowPlan {
+  RowTokens tokens;
+  int64_t src = kNoSlot;
+  bool pad = true;
+};
+
+struct Plan {
+  std::vector<RowPlan> rows;
+  std::vector<int64_t> dst;  // (T, max_tokens)
+  int64_t max_tokens = 0;
+};
+
+Plan make_plan(const MultiStepParams& m) {
+  const StepParams& s = m.step;
+  Plan plan;
+  plan.rows.resize(s.T);
+  for (int64_t t = 0; t < s.T; ++t) {
+    RowPlan& r = plan.rows[t];
+    r.tokens = multi_row_tokens(m, t);
+    r.src = multi_source_slot(m, t);
+    r.pad = !slot_addressable(r.src, s.S, s.pad_slot_id);
+    plan.max_tokens = std::max(plan.max_tokens, r.tokens.count);
+  }
+  const int64_t width = plan.max_tokens;
+  plan.dst.assign(s.T * width, kNoSlot);
+  at::parallel_for(0, s.T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const RowPlan& r = plan.rows[t];
+      if (r.pad) continue;
+      for (int64_t k = 0; k < r.tokens.count; ++k) {
+        const int64_t slot = multi_dest_slot(m, t, k, r.tokens.count);
+        if (multi_last_writer(m, t, k, r.tokens.count, slot)) plan.dst[t * width + k] = slot;
+      }
+    }
+  });
+  return plan;
+}
+
+// One token on one chunk: st advances in registers and adds st * C into the
+// token's accumulator lanes. Local copies and __restrict let the compiler keep the
+// chunk in vector registers (the scratch rows would otherwise alias each other).
+SSD_MULTI_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
+                                    const float* __restrict c, float dA, float dtx) {
+  float a[kVec];
+  for (int v = 0; v < kVec; ++v) a[v] = acc[v];
+  for (int v = 0; v < kVec; ++v) {
+    st[v] = advance(st[v], dA, dtx, b[v]);
+    a[v] += st[v] * c[v];
+  }
+  for (int v = 0; v < kVec; ++v) acc[v] = a[v];
+}
+
+SSD_MULTI_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
+                                    const float* __restrict c, const float (&dA)[kVec], float dtx) {
+  float a[kVec];
+  for (int v = 0; v < kVec; ++v) a[v] = acc[v];
+  for (int v = 0; v < kVec; ++v) {
+    st[v] = advance(st[v], dA[v], dtx, b[v]);
+    a[v] += st[v] * c[v];
+  }
+  for (int v = 0; v < kVec; ++v) acc[v] = a[v];
+}
+
+// The multi-token step for the (row, head) pairs [begin, end).
+template <typename PoolT, bool kUnit, bool kAPerN>
+SSD_MULTI_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int64_t begin, int64_t end) {
+  const StepParams& s = m.step;
+  const int64_t N = s.N, full = N / kVec, Kmax = plan.max_tokens;
+  const int rest = static_cast<int>(N - full * kVec);
+  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + Kmax * (kVec + 3));
+  float* Bf = scratch.data();      // (Kmax, N)
+  float* Cf = Bf + Kmax * N;       // (Kmax, N)
+  float* acc = Cf + Kmax * N;      // (Kmax, kVec)
+  float* dtx = acc + Kmax * kVec;  // (Kmax,)
+  float* dA_splat = dtx + Kmax;    // (Kmax,)
+  float* xv = dA_splat + Kmax;     // (Kmax,)
+  float* Af = xv + Kmax;           // (N,) when kAPerN
+  std::vector<StepParams> views(Kmax);
+  std::vector<float> dtv(Kmax);
+  for (int64_t k = 0; k < Kmax; ++k) views[k] = token_view(m, k);
+  PoolT* pool = static_cast<PoolT*>(s.pool);
+  int64_t widened_tg = -1;
+  const bool dt_per_head = s.dt.stride[2] == 0 && (!s.dt_bias.present() || s.dt_bias.stride[1] == 0);
+  const bool dA_per_head = dt_per_head && s.A.stride[1] == 0;
+
+  for (int64_t th = begin; th < end; ++th) {
+    const int64_t t = th / s.H, h = th % s.H, g = h / s.heads_per_group;
+    const RowPlan& row = plan.rows[t];
+    const int64_t first = row.tokens.first, count = row.tokens.count;
+    if (count == 0) continue;
+    if (row.pad) {  // a pad row: y = 0 for each of its tokens, the pool untouched
+      for (int64_t k = 0; k < count; ++k) {
+        const StepParams& v = views[k];
+        const int64_t y_row = first * v.y_stride[0] + h * v.y_stride[1];
+        for (int64_t p = 0; p < s.P; ++p) store_scalar(v.y, y_row + p * v.y_stride[2], v.y_dtype, 0.0f);
+      }
+      continue;
+    }
+    const int64_t* dst = plan.dst.data() + t * Kmax;
+    if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
+      for (int64_t k = 0; k < count; ++k) {
+        const StepParams& v = views[k];
+        widen_row(v.B, first * v.B.stride[0] + g * v.B.stride[1], v.B.stride[2], N, Bf + k * N);
+        widen_row(v.C, first * v.C.stride[0] + g * v.C.stride[1], v.C.stride[2], N, Cf + k * N);
+      }
+      widened_tg = t * s.G + g;
+    }
+
+    for (int64_t p = 0; p < s.P; ++p) {
+      // Per-token channel scalars. Per-head dt / dt_bias / A (stride 0 over P) give
+      // the same value for every p: evaluate softplus and exp once per head.
+      // N == 0: A is empty and nothing decays; never read it.
+      const float a_splat =
+          kAPerN || N == 0 ? 0.0f : load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
+      for (int64_t k = 0; k < count; ++k) {
+        const StepParams& v = views[k];
+        if (p == 0 || !dt_per_head) dtv[k] = channel_dt(v, first, h, p);
+        xv[k] = v.x.at(first, h, p);
+        dtx[k] = dtv[k] * xv[k];
+        if (!kAPerN && (p == 0 || !dA_per_head)) dA_splat[k] = decay(a_splat, dtv[k]);
+      }
+      if constexpr (kAPerN) widen_row(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
+      std::fill(acc, acc + count * kVec, 0.0f);
+
+      const DstateRow<kVec, kUnit, const PoolT> in{pool + s.pool_offset(row.src, h, p), s.pool_stride[3]};
+      float st[kVec];
+      // Chunk-outer, token-inner: a chunk of the source is loaded before any token
+      // stores to that chunk, so a destination may be the source slot itself.
+      for (int64_t c = 0; c < full; ++c) {
+        in.load(c, st);
+        for (int64_t k = 0; k < count; ++k) {
+          if constexpr (kAPerN) {
+            float dA[kVec];
+            for (int v = 0; v < kVec; ++v) dA[v] = decay(Af[c * kVec + v], dtv[k]);
+            advance_chunk(st, acc + k * kVec, Bf + k * N + c * kVec, Cf + k * N + c * kVec, dA, dtx[k]);
+          } else {
+            advance_chunk(st, acc + k * kVec, Bf + k * N + c * kVec, Cf + k * N + c * kVec, dA_splat[k], dtx[k]);
+          }
+          if (slot_addressable(dst[k], s.S, s.pad_slot_id)) {
+            const DstateRow<kVec, kUnit, PoolT> out{pool + s.pool_offset(dst[k], h, p), s.pool_stride[3]};
+            out.store(c, st);
+          }
+        }
+      }
+      if (rest) {
+        in.load_tail(full, rest, st);
+        for (int64_t k = 0; k < count; ++k) {
+          float* a = acc + k * kVec;
+          for (int v = 0; v < rest; ++v) {
+            const int64_t n = full * kVec + v;
+            const float dA = kAPerN ? decay(Af[n], dtv[k]) : dA_splat[k];
+            st[v] = advance(st[v], dA, dtx[k], Bf[k * N + n]);
+            a[v] += st[v] * Cf[k * N + n];
+          }
+          if (slot_addressable(dst[k], s.S, s.pad_slot_id)) {
+            const DstateRow<kVec, kUnit, PoolT> out{pool + s.pool_offset(dst[k], h, p), s.pool_stride[3]};
+            out.store_tail(full, rest, st);
+          }
+        }
+      }
+      for (int64_t k = 0; k < count; ++k) {
+        float* a = acc + k * kVec;
+        for (int w = kVec / 2; w > 0; w /= 2)  // fixed tree: same order for every layout
+          for (int v = 0; v < w; ++v) a[v] += a[v + w];
+        const StepParams& v = views[k];
+        store_scalar(v.y, first * v.y_stride[0] + h * v.y_stride[1] + p * v.y_stride[2], v.y_dtype,
+                     finish_y(v, a[0], first, h, p, xv[k]));
+      }
+    }
+  }
+}
+
+SSD_MULTI_CLONES void multi_rows(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
+                                 int64_t begin, int64_t end) {
+  with_dtype(m.step.pool_dtype, [&](auto tag) {
+    using PoolT = decltype(tag);
+    with_flag(unit, [&](auto kUnit) {
+      with_flag(a_per_n, [&](auto kAPerN) {
+        multi_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(m, plan, begin, end);
+      });
+    });
+  });
+}
+
+void run_multi(const MultiStepParams& m, bool unit, bool a_per_n) {
+  const Plan plan = make_plan(m);
+  if (plan.max_tokens == 0) return;
+  const StepParams& s = m.step;
+  // Each (row, head) pair is up to K * P * N element updates.
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, plan.max_tokens * s.P * s.N));
+  at::parallel_for(0, s.T * s.H, grain,
+                   [&](int64_t begin, int64_t end) { multi_rows(m, plan, unit, a_per_n, begin, end); });
+}
+
+void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt,
+                const Tensor& A, const Tensor& B, const Tensor& C, const OptTensor& cu_seqlens,
+                const OptTensor& D, const OptTensor& z, const OptTensor& dt_bias, bool dt_softplus,
+                const OptTensor& slot_idx, const OptTensor& dst_slot_idx, int64_t pad_slot_id,
+                const OptTensor& num_accepted_tokens, bool write_state, const Tensor& y) {
+  if (md.d.T == 0 || (!cu_seqlens.has_value() && md.K == 0)) return;
+  const MultiStepParams m =
+      make_multi_step_params(md, ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx,
+                             dst_slot_idx, pad_slot_id, num_accepted_tokens, write_state, y);
+  run_multi(m, md.d.N == 1 || ssm_pool.stride(3) == 1, md.d.N > 1 && A.stride(2) != 0);
+}
+
+Tensor decode_step_multi_cpu(const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
+                             const Tensor& B, const Tensor& C, const OptTensor& D, const OptTensor& z,
+                             const OptTensor& dt_bias, bool dt_softplus, const OptTensor& slot_idx,
+                             const OptTensor& dst_slot_idx, int64_t pad_slot_id,
+                             const OptTensor& num_accepted_tokens, bool write_state) {
+  const MultiDims md = check_decode_step_multi("decode_step_multi", ssm_pool, x, dt, A, B, C, D, z, dt_bias,
+                                               slot_idx, dst_slot_idx, pad_slot_id, num_accepted_tokens,
+                                               write_state, nullptr);
+  Tensor y = at::empty(x.sizes(), x.options());
+  multi_into(md, ssm_pool, x, dt, A, B, C, std::nullopt, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+             pad_slot_id, num_accepted_tokens, write_state, y);
+  return y;
+}
+
+void decode_step_multi_out_cpu(const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
+                               const Tensor& B, const Tensor& C, const OptTensor& D, const OptTensor& z,
+                               const OptTensor& dt_bias, bool dt_softplus, const OptTensor& slot_idx,
+                               const OptTensor& dst_slot_idx, int64_t pad_slot_id,
+                               const OptTensor& num_accepted_tokens, bool write_state, const Tensor& out) {
+  const MultiDims md = check_decode_step_multi("decode_step_multi_out", ssm_pool, x, dt, A, B, C, D, z,
+                                               dt_bias, slot_idx, dst_slot_idx, pad_slot_id,
+                                               num_accepted_tokens, write_state, &out);
+  multi_into(md, ssm_pool, x, dt, A, B, C, std::nullopt, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+             pad_slot_id, num_accepted_tokens, write_state, out);
+}
+
+// Varlen: tokens outside every row (e.g. a padded tail of the flat axis) get y = 0,
+// so y is cleared first; rows then overwrite their own tokens.
+Tensor decode_step_varlen_cpu(const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
+                              const Tensor& B, const Tensor& C, const Tensor& cu_seqlens, const OptTensor& D,
+                              const OptTensor& z, const OptTensor& dt_bias, bool dt_softplus,
+                              const OptTensor& slot_idx, const OptTensor& dst_slot_idx, int64_t pad_slot_id,
+                              const OptTensor& num_accepted_tokens, bool write_state) {
+  const MultiDims md = check_decode_step_varlen("decode_step_varlen", ssm_pool, x, dt, A, B, C, cu_seqlens, D,
+                                                z, dt_bias, slot_idx, dst_slot_idx, pad_slot_id,
+                                                num_accepted_tokens, write_state, nullptr);
+  Tensor y = at::zeros(x.sizes(), x.options());
+  multi_into(md, ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+             pad_slot_id, num_accepted_tokens, write_state, y);
+  return y;
+}
+
+void decode_step_varlen_out_cpu(const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
+                                const Tensor& B, const Tensor& C, const Tensor& cu_seqlens,
+                                const OptTensor& D, const OptTensor& z, const OptTensor& dt_bias,
+                                bool dt_softplus, const OptTensor& slot_idx, const OptTensor& dst_slot_idx,
+                                int64_t pad_slot_id, const OptTensor& num_accepted_tokens, bool write_state,
+                                const Tensor& out) {
+  const MultiDims md = check_decode_step_varlen("decode_step_varlen_out", ssm_pool, x, dt, A, B, C,
+                                                cu_seqlens, D, z, dt_bias, slot_idx, dst_slot_idx,
+                                                pad_slot_id, num_accepted_tokens, write_state, &out);
+  out.zero_();
+  multi_into(md, ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+             pad_slot_id, num_accepted_tokens, write_state, out);
+}
+
+}  // namespace
+}  // namespace ssd
+
+TORCH_LIBRARY_IMPL(ssd, CPU, m) {
+  m.impl("decode_step_multi", &ssd::decode_step_multi_cpu);
+  m.impl("decode_step_multi_out", &ssd::decode_step_multi_out_cpu);
+  m.impl("decode_step_varlen", &ssd::decode_step_varlen_cpu);
+  m.impl("decode_step_varlen_out", &ssd::decode_step_varlen_out_cpu);
+}

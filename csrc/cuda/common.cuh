@@ -1,0 +1,158 @@
+// Pieces the CUDA kernels of torch_ssd share: the thread mapping along the dstate
+// (N) axis, the warp-parallel "last writer" test, dtype dispatch and launch helpers.
+//
+// Thread mapping along N (one rule for every layout, so results never depend on
+// strides): a row of N elements is split into chunks of VEC = 16 / sizeof(element)
+// elements (one 16-byte access on the unit-stride path). `lanes` consecutive
+// lanes of a warp (a power of two, at most 32) share one row; lane `li` takes
+// chunks li, li + lanes, li + 2 * lanes, ... (so each warp instruction reads whole
+// 32-byte sectors), about kChunksPerBatch of them, whose loads are all issued
+// before the first is used. A warp therefore covers 32 / lanes rows at a time.
+// The last chunk, when N % VEC != 0, is the tail and always goes through the
+// partial path of the dstate I/O owner. A lane sums its chunks in order; the
+// lanes of a row are then summed by a fixed shuffle tree.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+// dstate_io.h's vector paths return early, leaving the scalar loop after them
+// unreachable in device code: that is by design.
+#pragma nv_diag_suppress 128
+#include "../dstate_io.h"
+#include "../ssd.h"
+#include "../step.h"
+
+namespace ssd {
+namespace cuda {
+
+constexpr int kWarp = 32;
+constexpr int kMaxThreads = 256;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kChunksPerBatch = 8;  // independent 16-byte loads per thread in flight
+
+// Elements of T in one 16-byte access.
+template <typename T>
+constexpr int vec_of() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// How the lanes of a warp cover one row of n elements read in chunks of vec.
+struct RowMap {
+  int n = 0;                // elements in the row
+  int nfull = 0;            // whole chunks
+  int rest = 0;             // elements of the tail chunk (0: no tail)
+  int lanes = 1;            // lanes per row: a power of two <= 32
+  int lanes_log2 = 0;
+  int chunks_per_lane = 0;  // ceil(chunks / lanes)
+
+  SSD_HD int rows_per_warp() const { return kWarp >> lanes_log2; }
+  SSD_HD int chunks() const { return nfull + (rest > 0 ? 1 : 0); }
+};
+
+inline RowMap make_row_map(int64_t n, int vec) {
+  TORCH_CHECK(n < (int64_t{1} << 30), "ssd (CUDA): the state size N = ", n, " is too large");
+  RowMap m;
+  m.n = static_cast<int>(n);
+  m.nfull = m.n / vec;
+  m.rest = m.n - m.nfull * vec;
+  const int chunks = m.chunks();
+  const int want_lanes = (chunks + kChunksPerBatch - 1) / kChunksPerBatch;
+  while (m.lanes < kWarp && m.lanes < want_lanes) m.lanes *= 2, ++m.lanes_log2;
+  m.chunks_per_lane = (chunks + m.lanes - 1) / m.lanes;
+  return m;
+}
+
+// Whether every row along the last dim of t starts on a 16-byte boundary and has
+// unit stride, so the rows can be read and written with 16-byte vectors. Decided
+// once per call on the host; the other case takes the scalar gather path, which
+// computes the same bits (same mapping, same reduction).
+inline bool rows_vectorizable(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  const int64_t d = t.dim();
+  if (t.size(d - 1) > 1 && t.stride(d - 1) != 1) return false;
+  for (int64_t i = 0; i + 1 < d; ++i)
+    if (t.size(i) > 1 && (t.stride(i) * t.element_size()) % 16 != 0) return false;
+  return true;
+}
+
+// The pool element type as a template argument.
+template <typename Fn>
+void with_elem_type(Dtype dtype, Fn&& fn) {
+  switch (dtype) {
+    case Dtype::kBFloat16: fn(c10::BFloat16{}); break;
+    case Dtype::kFloat16: fn(c10::Half{}); break;
+    default: fn(float{}); break;
+  }
+}
+
+template <typename Fn>
+void with_bool(bool value, Fn&& fn) {
+  if (value) fn(std::true_type{});
+  else fn(std::false_type{});
+}
+
+// Multiprocessors of the current device, read once per device. (Only c10's CUDA
+// headers are used: ATen's pull in the CUDA math libraries' headers, which a
+// compile-only CI toolkit need not have.)
+inline int num_sms() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  const int device = c10::cuda::current_device();
+  if (device >= kMaxDevices) return 132;
+  if (cached[device] == 0) {
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    cached[device] = count;
+  }
+  return cached[device];
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// Raise a kernel's dynamic shared-memory limit when a large N needs more than the
+// default 48 KB (not a stream operation: safe during graph capture).
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  TORCH_CHECK(bytes <= 227 * 1024, "ssd (CUDA): the state size N is too large for shared memory");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(bytes)));
+}
+
+#if defined(__CUDACC__)
+
+// last_writer (step.h) computed by a whole warp: lane l scans rows t+1+l, t+1+l+32,
+// ... instead of one thread scanning all later rows. Same answer; every lane of the
+// warp must call it with the same arguments.
+__device__ __forceinline__ bool warp_last_writer(const SlotRef& dst_idx, const SlotRef& src_idx,
+                                                 bool has_src, int64_t T, int64_t S,
+                                                 int64_t pad_slot_id, int64_t t, int64_t dst) {
+  if (!slot_addressable(dst, S, pad_slot_id)) return false;
+  if (dst_idx.data == nullptr) return true;
+  bool later = false;
+  for (int64_t u = t + 1 + (threadIdx.x & (kWarp - 1)); u < T; u += kWarp) {
+    if (dst_idx.slot(u, u) == dst && (!has_src || slot_addressable(src_idx.slot(u, u), S, pad_slot_id)))
+      later = true;
+  }
+  return !__any_sync(kFullMask, later);
+}
+
+// The tree reduction over the `lanes` lanes of one row (xor butterfly: every lane
+// ends with the same sum, since float addition is commutative).
+__device__ __forceinline__ float row_sum(float v, int lanes) {
+  for (int off = lanes >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace cuda
+}  // namespace ssd

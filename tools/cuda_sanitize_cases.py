@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""A small set of CUDA calls for compute-sanitizer: every op, contiguous and strided
+layouts, pad and out-of-range slots, a tail along N, all three pool dtypes.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tools/cuda_sanitize_cases.py
+    compute-sanitizer --tool racecheck python tools/cuda_sanitize_cases.py
+
+(Without caching, every tensor is its own allocation, so memcheck sees a read or
+write past a tensor's end.) Each call's results are also checked against the CPU
+kernels, so the script fails on its own (exit 1) if a CUDA result is wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import torch_ssd  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch_ssd  # noqa: F401
+
+GEN = torch.Generator().manual_seed(1234)
+FAILS: list[str] = []
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=GEN).to(dtype)
+
+
+def relayout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """Same values, other strides: 'contiguous', 'transposed' (every dim reversed in
+    storage), 'strided' (every other element of a bigger buffer along the last dim),
+    'offset' (storage offset 3, no 16-byte alignment)."""
+    t = t.contiguous()
+    if layout == "contiguous":
+        return t.clone()
+    if layout == "transposed":
+        order = list(reversed(range(t.dim())))
+        return t.permute(order).contiguous().permute(order)
+    if layout == "strided":
+        base = torch.full((*t.shape[:-1], 2 * t.shape[-1]), 9.0, dtype=t.dtype, device=t.device)
+        view = base[..., 1::2]
+        view.copy_(t)
+        return view
+    if layout == "offset":
+        flat = torch.full((t.numel() + 8,), 9.0, dtype=t.dtype, device=t.device)
+        view = flat[3 : 3 + t.numel()].view(t.shape)
+        view.copy_(t)
+        return view
+    raise ValueError(layout)
+
+
+def check(what: str, got, want, exact: bool = False):
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    ok = torch.equal(got, want) if exact else torch.allclose(got, want, rtol=2e-2, atol=2e-2)
+    if not ok:
+        FAILS.append(what)
+        print(f"FAIL {what}: max diff {(got - want).abs().max().item():.3g}")
+
+
+def step_case(pool_dtype, layout, N, broadcast, idx_dtype):
+    S, T, H, P, G = 12, 6, 4, 8, 2
+    pool = randn(S, H, P, N, dtype=pool_dtype)
+    x, z = randn(T, H, P, dtype=torch.bfloat16), randn(T, H, P, dtype=torch.bfloat16)
+    B, C = randn(T, G, N, dtype=torch.bfloat16), randn(T, G, N, dtype=torch.bfloat16)
+    if broadcast:
+        dt = (randn(T, H, 1) * 0.3).expand(T, H, P)
+        A = (-torch.rand(H, 1, 1, generator=GEN) - 0.2).expand(H, P, N)
+        D, dt_bias = randn(H, 1).expand(H, P), (randn(H, 1) * 0.1).expand(H, P)
+    else:
+        dt, A = randn(T, H, P) * 0.3, -torch.rand(H, P, N, generator=GEN) - 0.2
+        D, dt_bias = randn(H, P), randn(H, P) * 0.1
+    # Row 1: pad source; row 2: source past the end; row 3: negative source;
+    # row 4: pad destination; row 5: destination past the end.
+    slot_idx = torch.tensor([0, -1, S, -7, 3, 5], dtype=idx_dtype)
+    dst_slot_idx = torch.tensor([6, 7, 8, 9, -1, S + 100], dtype=idx_dtype)
+    cpu = dict(pool=pool, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    args = []
+    for dev in ("cpu", "cuda"):
+        a = {}
+        for k, v in cpu.items():
+            v = v.to(dev)
+            if not (broadcast and k in ("dt", "A", "D", "dt_bias")):
+                v = relayout(v, layout)
+            a[k] = v
+        args.append(a)
+    outs = []
+    for a, dev in zip(args, ("cpu", "cuda")):
+        y = torch.ops.ssd.decode_step(a["pool"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["z"],
+                                      a["dt_bias"], True, slot_idx.to(dev), dst_slot_idx.to(dev), -1)
+        out = torch.empty_like(a["x"])
+        torch.ops.ssd.decode_step_out(a["pool"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["z"],
+                                      a["dt_bias"], False, dst_slot_idx.to(dev), None, -1, out)
+        outs.append((y, out, a["pool"]))
+    tag = f"step {pool_dtype} {layout} N={N} broadcast={broadcast} {idx_dtype}"
+    check(tag + " y", outs[1][0], outs[0][0])
+    check(tag + " out", outs[1][1], outs[0][1])
+    check(tag + " pool", outs[1][2], outs[0][2])
+
+
+def verb_cases(pool_dtype, layout, N):
+    S, T, H, P, G = 10, 5, 3, 4, 2
+    pool_cpu = randn(S, H, P, N, dtype=pool_dtype)
+    slots = torch.tensor([2, -1, S, 4, 2**33], dtype=torch.int64)
+    state = randn(T, H, P, N)
+    B, C = randn(T, G, N, dtype=pool_dtype), randn(T, G, N, dtype=torch.float16)
+    tag = f"verbs {pool_dtype} {layout} N={N}"
+    res = []
+    for dev in ("cpu", "cuda"):
+        pool = relayout(pool_cpu.to(dev), layout)
+        loaded = torch.ops.ssd.load_state(pool, slots.to(dev), -1)
+        loaded_all = torch.ops.ssd.load_state(pool)
+        Bf, Cf = torch.ops.ssd.load_bc(relayout(B.to(dev), layout), relayout(C.to(dev), layout))
+        torch.ops.ssd.store_state(relayout(state.to(dev), layout), pool, slots.to(dev), -1)
+        res.append((loaded, loaded_all, Bf, Cf, pool))
+    for name, g, w in zip(("load_state", "load_state(all)", "load_bc B", "load_bc C", "store_state"),
+                          res[1], res[0]):
+        check(f"{tag} {name}", g, w, exact=True)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    for pool_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for layout in ("contiguous", "transposed", "strided", "offset"):
+            for N in (64, 20):
+                step_case(pool_dtype, layout, N, broadcast=layout == "contiguous",
+                          idx_dtype=torch.int32 if layout == "offset" else torch.int64)
+                verb_cases(pool_dtype, layout, N)
+    torch.cuda.synchronize()
+    print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "
+          f"{'' if FAILS else 'cases passed'}")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# On a CUDA machine: build the extension, run the GPU tests, run the
+# compute-sanitizer subset, and run the benchmark; every log goes under $OUT.
+#
+#   bash tools/device_run.sh [STAGE ...]        (default: build test sanitize bench)
+#
+# Stages:
+#   build       python setup.py build_ext --inplace (CUDA on; ptxas report in build.log)
+#   test        pytest tests -x -q (the suite parametrizes over "cuda"), tests/test_cuda.py included
+#   sanitize    compute-sanitizer memcheck + racecheck on tools/cuda_sanitize_cases.py,
+#               memcheck on tools/replay_fuzz_corpus.py (when present); the three
+#               parts alone: memcheck, racecheck, fuzz
+#   tune        tools/cuda_tune.py: block-size sweep against the copy ceiling
+#   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
+#   bench-quick the same without torch.compile(reference)
+#
+# Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
+# here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
+# (default python3), TEST_ARGS / BENCH_ARGS / TUNE_ARGS (extra arguments),
+# FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below).
+# Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-$PWD/device_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(build test sanitize bench)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+status=0
+
+record() {  # stage, rc, seconds
+  local word=ok
+  [[ $2 -ne 0 ]] && word="FAILED (exit $2)" && status=1
+  printf '%-12s %-18s %5ss\n' "$1" "$word" "$3" | tee -a "$SUMMARY"
+}
+
+run_stage() {  # name, log file, command...  (QUIET=1: output to the log only)
+  local name=$1 log=$2
+  shift 2
+  local t0=$SECONDS rc=0
+  echo "=== $name: $*" | tee -a "$log"
+  if [[ -n "${QUIET:-}" ]]; then
+    "$@" >>"$log" 2>&1 || rc=$?
+  else
+    "$@" 2>&1 | tee -a "$log" || rc=$?
+  fi
+  record "$name" "$rc" $((SECONDS - t0))
+  return "$rc"
+}
+
+env_info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())"
+  nvcc --version | tail -n 2
+}
+
+# BUDGET_S: wall-clock seconds for the whole script; a stage that would start
+# with less than MIN_STAGE_S left is skipped, and each runs under `timeout` with
+# what is left (so the logs come back even when the device call has a hard limit).
+BUDGET_S="${BUDGET_S:-0}"
+MIN_STAGE_S="${MIN_STAGE_S:-30}"
+left() { echo $((BUDGET_S - SECONDS)); }
+
+for stage in "${STAGES[@]}"; do
+  if [[ $BUDGET_S -gt 0 ]]; then
+    if [[ $(left) -lt $MIN_STAGE_S ]]; then
+      record "$stage" 124 0
+      echo "($stage skipped: $(left)s of the budget left)" | tee -a "$SUMMARY"
+      continue
+    fi
+    limit=$(left)
+    # TEST_CAP_S: at most this long for the test stage, leaving time for later ones.
+    [[ $stage == test && -n "${TEST_CAP_S:-}" && ${TEST_CAP_S} -lt $limit ]] && limit=$TEST_CAP_S
+    TO=(timeout --signal=INT --kill-after=10 "$limit")
+  else
+    TO=()
+  fi
+  case "$stage" in
+    build)
+      env_info >"$OUT/env.txt" 2>&1
+      cat "$OUT/env.txt"
+      # A CPU-only _C*.so carried from elsewhere must not shadow this build.
+      rm -f torch_ssd/_C*.so
+      QUIET=1 run_stage build "$OUT/build.log" "${TO[@]}" env TORCH_SSD_CUDA=1 TORCH_SSD_PTXAS_V=1 MAX_JOBS="$(nproc)" \
+        "$PY" setup.py build_ext --inplace || { grep -E -B2 -A8 "error" "$OUT/build.log" | head -n 80; break; }
+      grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -n 20
+      ;;
+    test)
+      run_stage test "$OUT/test.log" "${TO[@]}" "$PY" -m pytest tests -x -q -p no:cacheprovider --timeout=600 \
+        ${TEST_ARGS:-}
+      ;;
+    sanitize | memcheck | racecheck | fuzz)
+      log="$OUT/sanitize.log"
+      if [[ $stage == sanitize || $stage == memcheck ]]; then
+        run_stage memcheck "$log" "${TO[@]}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+          compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" tools/cuda_sanitize_cases.py
+      fi
+      if [[ $stage == sanitize || $stage == racecheck ]]; then
+        run_stage racecheck "$log" "${TO[@]}" compute-sanitizer --tool racecheck --error-exitcode 9 \
+          "$PY" tools/cuda_sanitize_cases.py
+      fi
+      if [[ ($stage == sanitize || $stage == fuzz) && -f tools/replay_fuzz_corpus.py ]]; then
+        run_stage fuzz-memcheck "$log" "${TO[@]}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+          compute-sanitizer --tool memcheck --error-exitcode 9 \
+          "$PY" tools/replay_fuzz_corpus.py --device cuda --cases "${FUZZ_CASES:-60}"
+      fi
+      ;;
+    tune)
+      run_stage tune "$OUT/tune.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
+      ;;
+    bench)
+      run_stage bench "$OUT/bench.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress \
+        --json "$OUT/bench.json" ${BENCH_ARGS:-}
+      ;;
+    bench-quick)
+      run_stage bench "$OUT/bench.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress --no-compile \
+        --json "$OUT/bench.json" ${BENCH_ARGS:-}
+      ;;
+    *)
+      echo "device_run.sh: unknown stage '$stage'" >&2
+      status=2
+      ;;
+  esac
+done
+
+echo "=== summary"
+cat "$SUMMARY"
+exit "$status"
