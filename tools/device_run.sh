@@ -19,6 +19,12 @@
 # (default python3), TEST_ARGS / BENCH_ARGS / TUNE_ARGS (extra arguments),
 # FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
+#
+# The test stage needs pytest, pytest-timeout and expecttest. A machine without
+# network access gets expecttest as a wheel: on a connected machine
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl expecttest
+# then, on the GPU machine, before this script:
+#   python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -13,8 +13,8 @@
 namespace ssd {
 namespace {
 
-// The hot loops are compiled twice on x86-64 Linux: for AVX2/F16C and for the
-// baseline ISA, picked at load time (an ifunc). Baseline SSE2 cannot pack 32-bit
+// The hot loops are compiled three times on x86-64 Linux: for AVX-512, for AVX2/F16C
+// and for the baseline ISA, picked at load time (an ifunc). Baseline SSE2 cannot pack 32-bit
 // lanes to 16 bits, so half-precision pools would stay scalar without it. The
 // templates below are forced inline into these entry points so each clone gets its
 // own code. Mul and add round the same in every ISA (and -ffp-contract=off keeps

@@ -27,6 +27,9 @@ namespace {
 #define SSD_MULTI_CLONES
 #endif
 #define SSD_MULTI_INLINE inline __attribute__((always_inline))
+// Lambdas too: otherwise the dispatch lambdas stay out-of-line, compiled for the
+// baseline ISA only, and the hot loop inside them never gets the AVX2 clone.
+#define SSD_MULTI_INLINE_LAMBDA __attribute__((always_inline))
 
 // Floats per chunk; must equal ssd_cpu.cpp's kVec so that y reduces in the same tree.
 constexpr int kVec = 16;
@@ -49,10 +52,12 @@ SSD_MULTI_INLINE void with_flag(bool flag, Fn&& fn) {
 // Widen one row whose dtype is known only at run time (B, C, a per-element A)
 // into contiguous float32 scratch, through the dstate I/O owner.
 SSD_MULTI_INLINE void widen_row(const OperandRef& r, int64_t offset, int64_t stride, int64_t n, float* out) {
-  with_dtype(r.dtype, [&](auto tag) {
+  with_dtype(r.dtype, [&](auto tag) SSD_MULTI_INLINE_LAMBDA {
     using T = decltype(tag);
     const T* p = static_cast<const T*>(r.data) + offset;
-    with_flag(stride == 1, [&](auto unit) { load_row<kVec, decltype(unit)::value>(p, stride, n, out); });
+    with_flag(stride == 1, [&](auto unit) SSD_MULTI_INLINE_LAMBDA {
+      load_row<kVec, decltype(unit)::value>(p, stride, n, out);
+    });
   });
 }
 
@@ -233,10 +238,10 @@ SSD_MULTI_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, in
 
 SSD_MULTI_CLONES void multi_rows(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
                                  int64_t begin, int64_t end) {
-  with_dtype(m.step.pool_dtype, [&](auto tag) {
+  with_dtype(m.step.pool_dtype, [&](auto tag) SSD_MULTI_INLINE_LAMBDA {
     using PoolT = decltype(tag);
-    with_flag(unit, [&](auto kUnit) {
-      with_flag(a_per_n, [&](auto kAPerN) {
+    with_flag(unit, [&](auto kUnit) SSD_MULTI_INLINE_LAMBDA {
+      with_flag(a_per_n, [&](auto kAPerN) SSD_MULTI_INLINE_LAMBDA {
         multi_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(m, plan, begin, end);
       });
     });

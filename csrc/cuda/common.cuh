@@ -6,8 +6,8 @@
 // elements (one 16-byte access on the unit-stride path). `lanes` consecutive
 // lanes of a warp (a power of two, at most 32) share one row; lane `li` takes
 // chunks li, li + lanes, li + 2 * lanes, ... (so each warp instruction reads whole
-// 32-byte sectors), about kChunksPerBatch of them, whose loads are all issued
-// before the first is used. A warp therefore covers 32 / lanes rows at a time.
+// 32-byte sectors), a batch of them (the chunks_per_batch of make_row_map) whose
+// loads are all issued before the first is used. A warp therefore covers 32 / lanes rows at a time.
 // The last chunk, when N % VEC != 0, is the tail and always goes through the
 // partial path of the dstate I/O owner. A lane sums its chunks in order; the
 // lanes of a row are then summed by a fixed shuffle tree.
@@ -57,14 +57,14 @@ struct RowMap {
   SSD_HD int chunks() const { return nfull + (rest > 0 ? 1 : 0); }
 };
 
-inline RowMap make_row_map(int64_t n, int vec) {
+inline RowMap make_row_map(int64_t n, int vec, int chunks_per_batch = kChunksPerBatch) {
   TORCH_CHECK(n < (int64_t{1} << 30), "ssd (CUDA): the state size N = ", n, " is too large");
   RowMap m;
   m.n = static_cast<int>(n);
   m.nfull = m.n / vec;
   m.rest = m.n - m.nfull * vec;
   const int chunks = m.chunks();
-  const int want_lanes = (chunks + kChunksPerBatch - 1) / kChunksPerBatch;
+  const int want_lanes = (chunks + chunks_per_batch - 1) / chunks_per_batch;
   while (m.lanes < kWarp && m.lanes < want_lanes) m.lanes *= 2, ++m.lanes_log2;
   m.chunks_per_lane = (chunks + m.lanes - 1) / m.lanes;
   return m;

@@ -8,7 +8,6 @@
 // order -- each lane's chunks in turn, then a shuffle tree over the row's lanes --
 // shared by the vector path and the scalar gather path, so every layout gives the
 // same bits.
-#include <cstdio>
 #include <cstdlib>
 
 #include "common.cuh"
@@ -26,6 +25,16 @@ struct StepLaunch {
   int smem_n = 0;          // B / C floats in shared memory: N rounded up to whole chunks
 };
 
+// Chunks per thread in flight, per pool type (measured on an H200, BENCHMARKS.md):
+// float32 rows go best 8 chunks deep, staged through shared memory; 16-bit rows,
+// whose 16 bytes hold twice the elements (twice the arithmetic), 4 deep in
+// registers. The mapping along N -- and so the result -- follows from this and N
+// alone, the same for every layout.
+template <typename PoolT>
+constexpr int step_batch() {
+  return sizeof(PoolT) == 4 ? 8 : 4;
+}
+
 // kStage (vector path only): whole chunks are staged into shared memory with
 // cp.async instead of being loaded into registers; the arithmetic is the same.
 template <typename PoolT, bool kUnit, bool kAPerN, bool kStage>
@@ -33,7 +42,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     decode_step_kernel(const __grid_constant__ StepParams s, const StepLaunch L) {
   static_assert(kUnit || !kStage, "staging needs the vector path");
   constexpr int VEC = vec_of<PoolT>();
-  constexpr int KB = kChunksPerBatch;
+  constexpr int KB = step_batch<PoolT>();
   extern __shared__ float4 smem_vec[];  // float4: 16-byte aligned chunks
   float* Bs = reinterpret_cast<float*>(smem_vec);
   float* Cs = Bs + L.smem_n;
@@ -67,7 +76,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   // Chunk j of a batch starting at k0 is chunk (k0 + j) * lanes + li of the row.
   // A batch whose chunks are all whole (every batch when N is a multiple of
-  // lanes * VEC * kChunksPerBatch) takes a branch-free path: its loads are all
+  // lanes * VEC * KB) takes a branch-free path: its loads are all
   // in flight before the first use. Both paths do the same arithmetic.
   auto whole_batch = [&](int k0) {
     return k0 + KB <= m.chunks_per_lane && (k0 + KB - 1) * m.lanes + li < m.nfull;
@@ -189,7 +198,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 // Warps per block. TORCH_SSD_CUDA_WARPS=1..8 overrides the heuristic (for tuning
 // runs; read on every call so that one process can sweep it).
-int pick_warps(const Dims& d, const RowMap& m) {
+int pick_warps(const Dims& d, const RowMap& m, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_WARPS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
@@ -197,24 +206,29 @@ int pick_warps(const Dims& d, const RowMap& m) {
   // blocks, so that every multiprocessor gets some of the rows.
   const int rpw = m.rows_per_warp();
   const int64_t want = 2 * static_cast<int64_t>(num_sms());
-  int w = kMaxThreads / kWarp;
+  // 16-bit pools (register path): 4 warps measured 4-5 points of copy bandwidth
+  // better than 8 at T = 64 on an H200; float32 pools (staged): 8.
+  int w = elem_size == 4 ? kMaxThreads / kWarp : 4;
   while (w > 1 && (w / 2) * rpw >= d.P) w /= 2;  // no warp without a row
   while (w > 2 && d.T * d.H * ((d.P + w * rpw - 1) / (w * rpw)) < want) w /= 2;
   return w;
 }
 
-// The common case stages its rows through shared memory (sm_80+);
-// TORCH_SSD_CUDA_STAGE=0 turns that off (for comparisons; same results).
-bool use_staging() {
+// Whether the common case stages its rows through shared memory (cp.async,
+// sm_80+): by default for float32 pools (measured faster there, slower for 16-bit
+// pools). TORCH_SSD_CUDA_STAGE=1 / =0 forces it on / off for every pool type (for
+// comparisons; the results are the same).
+bool use_staging(Dtype pool_dtype) {
   const char* env = std::getenv("TORCH_SSD_CUDA_STAGE");
-  return !(env && env[0] == '0');
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return pool_dtype == Dtype::kFloat32;
 }
 
 template <typename PoolT, bool kUnit, bool kAPerN, bool kStage>
 void launch(const StepParams& s, StepLaunch L, int W, cudaStream_t stream) {
   auto kernel = decode_step_kernel<PoolT, kUnit, kAPerN, kStage>;
   const size_t smem = 2 * static_cast<size_t>(L.smem_n) * sizeof(float) +
-                      (kStage ? static_cast<size_t>(W) * kWarp * kChunksPerBatch * 16 : 0);
+                      (kStage ? static_cast<size_t>(W) * kWarp * step_batch<PoolT>() * 16 : 0);
   allow_smem(kernel, smem);
   const int64_t blocks = s.T * s.H * L.p_blocks;
   TORCH_CHECK(blocks < (int64_t{1} << 31), "ssd.decode_step (CUDA): too many rows for one launch");
@@ -236,14 +250,14 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
   with_elem_type(s.pool_dtype, [&](auto tag) {
     using PoolT = decltype(tag);
     StepLaunch L;
-    L.map = make_row_map(d.N, vec_of<PoolT>());
+    L.map = make_row_map(d.N, vec_of<PoolT>(), step_batch<PoolT>());
     L.smem_n = L.map.chunks() * vec_of<PoolT>();
-    const int W = pick_warps(d, L.map);
+    const int W = pick_warps(d, L.map, static_cast<int>(sizeof(PoolT)));
     L.rows_per_block = W * L.map.rows_per_warp();
     L.p_blocks = static_cast<uint32_t>((d.P + L.rows_per_block - 1) / L.rows_per_block);
     L.heads = static_cast<uint32_t>(d.H);
     L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
-    if (unit && !a_per_n && use_staging()) {
+    if (unit && !a_per_n && use_staging(s.pool_dtype)) {
       launch<PoolT, true, false, true>(s, L, W, stream);
       return;
     }
