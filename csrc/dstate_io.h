@@ -23,8 +23,12 @@
 
 #include <type_traits>
 
+// Always inlined: on the CPU the callers are compiled once per instruction set
+// (target_clones), and only code inlined into them gets that instruction set.
 #if defined(__CUDACC__)
 #define SSD_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define SSD_HD inline __attribute__((always_inline))
 #else
 #define SSD_HD inline
 #endif
@@ -53,7 +57,7 @@ SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
 // Host half types: the same values as c10's conversions (round to nearest even),
 // written so the compiler vectorises the chunk loops: c10's bfloat16 rounding
 // branches on NaN per element, and its float16 conversion is a long bit-twiddle.
-inline float widen(c10::BFloat16 v) {
+SSD_HD float widen(c10::BFloat16 v) {
   const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float f;
   __builtin_memcpy(&f, &bits, sizeof f);
@@ -61,32 +65,32 @@ inline float widen(c10::BFloat16 v) {
 }
 // Raw storage bits of the rounded value; plain integer arithmetic on arrays of
 // these vectorises where constructing c10 structs element by element does not.
-inline uint16_t narrow_bits(float v, c10::BFloat16) {
+SSD_HD uint16_t narrow_bits(float v, c10::BFloat16) {
   uint32_t bits;
   __builtin_memcpy(&bits, &v, sizeof bits);
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // nearest, ties to even
   return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);  // NaN stays NaN
 }
-template <> inline c10::BFloat16 narrow<c10::BFloat16>(float v) {
+template <> SSD_HD c10::BFloat16 narrow<c10::BFloat16>(float v) {
   return c10::BFloat16(narrow_bits(v, c10::BFloat16{}), c10::BFloat16::from_bits());
 }
 #if defined(__FLT16_MAX__)  // the compiler has _Float16 (F16C instructions where enabled)
-inline float widen(c10::Half v) {
+SSD_HD float widen(c10::Half v) {
   _Float16 h;
   __builtin_memcpy(&h, &v.x, sizeof h);
   return static_cast<float>(h);
 }
-inline uint16_t narrow_bits(float v, c10::Half) {
+SSD_HD uint16_t narrow_bits(float v, c10::Half) {
   const _Float16 h = static_cast<_Float16>(v);
   uint16_t bits;
   __builtin_memcpy(&bits, &h, sizeof bits);
   return bits;
 }
 #else
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-inline uint16_t narrow_bits(float v, c10::Half) { return c10::Half(v).x; }
+SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
+SSD_HD uint16_t narrow_bits(float v, c10::Half) { return c10::Half(v).x; }
 #endif
-template <> inline c10::Half narrow<c10::Half>(float v) {
+template <> SSD_HD c10::Half narrow<c10::Half>(float v) {
   return c10::Half(narrow_bits(v, c10::Half{}), c10::Half::from_bits());
 }
 #define SSD_HOST_NARROW_BITS 1
@@ -165,17 +169,30 @@ SSD_HD void store_unit(T* p, const float (&r)[VEC]) {
   }
 #endif
 #if defined(SSD_HOST_NARROW_BITS)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && VEC % 8 == 0) {
-    // Explicit 8-lane vectors: the compiler's vectoriser gives up on this rounding
-    // inside the large step loop and would leave it one element at a time.
+  if constexpr (std::is_same_v<T, c10::BFloat16> && VEC % 16 == 0) {
+    // Explicit vectors: the compiler's vectoriser gives up on this rounding inside
+    // the large step loop and would leave it one element at a time. Round in place
+    // so each result sits in the high half of its 32-bit lane, then gather the high
+    // halves of 16 lanes with one shuffle.
     typedef uint32_t u32x8 __attribute__((vector_size(32)));
-    typedef uint16_t u16x8 __attribute__((vector_size(16)));
-    for (int i = 0; i < VEC; i += 8) {
-      u32x8 bits;
-      __builtin_memcpy(&bits, r + i, sizeof bits);
-      const u32x8 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;  // nearest, ties to even
-      const u32x8 nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;                // all-ones lanes
-      const u16x8 out = __builtin_convertvector((nan & 0x7FC0u) | (~nan & rounded), u16x8);
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    for (int i = 0; i < VEC; i += 16) {
+      u32x8 bits[2];
+      __builtin_memcpy(bits, r + i, sizeof bits);
+      u16x16 halves[2];
+      for (int k = 0; k < 2; ++k) {
+        const u32x8 rounded = bits[k] + 0x7FFFu + ((bits[k] >> 16) & 1u);  // nearest, ties to even
+        const u32x8 nan = (bits[k] & 0x7FFFFFFFu) > 0x7F800000u;          // all-ones lanes
+        const u32x8 hi = (nan & 0x7FC00000u) | (~nan & rounded);
+        __builtin_memcpy(&halves[k], &hi, sizeof hi);
+      }
+#if defined(__clang__)
+      const u16x16 out = __builtin_shufflevector(halves[0], halves[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
+                                                 21, 23, 25, 27, 29, 31);
+#else
+      const u16x16 out = __builtin_shuffle(halves[0], halves[1],
+                                           u16x16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+#endif
       __builtin_memcpy(static_cast<void*>(p + i), &out, sizeof out);
     }
     return;
