@@ -124,6 +124,32 @@ void check_no_internal_overlap(const char* op, const char* name, const Tensor& t
               shape_str(t.strides()), "); pass a tensor whose elements do not overlap");
 }
 
+// Checked mode: a row must not read a slot that another row writes in the same
+// call (rows run in an unspecified order, so the read could see either state).
+void check_read_write_hazard(const char* op, const OptTensor& slot_idx, const OptTensor& dst_slot_idx,
+                             int64_t T, int64_t pad_slot_id) {
+  if (!dst_slot_idx.has_value() || !checks_enabled()) return;
+  const Tensor dst = dst_slot_idx->to(at::kCPU, at::kLong).contiguous();
+  Tensor src;
+  if (slot_idx.has_value()) src = slot_idx->to(at::kCPU, at::kLong).contiguous();
+  auto src_of = [&](int64_t t) { return src.defined() ? src.data_ptr<int64_t>()[t] : t; };
+  std::unordered_map<int64_t, int64_t> reader;  // slot -> the row reading it, -1 if several do
+  for (int64_t t = 0; t < T; ++t) {
+    if (src_of(t) == pad_slot_id) continue;
+    const auto [it, fresh] = reader.emplace(src_of(t), t);
+    if (!fresh) it->second = -1;
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t to = dst.data_ptr<int64_t>()[t];
+    if (src_of(t) == pad_slot_id || to == pad_slot_id) continue;
+    const auto it = reader.find(to);
+    TORCH_CHECK(it == reader.end() || it->second == t, "ssd.", op, ": row ", t, " writes slot ", to,
+                " (dst_slot_idx[", t, "]) which another row reads (slot_idx); rows run in no fixed "
+                "order, so that row could read either state (checked mode rejects it; unchecked, "
+                "the result is unspecified)");
+  }
+}
+
 void check_pool(const char* op, const Tensor& ssm_pool) {
   check_rank(op, "ssm_pool", ssm_pool, 4, "(S, H, P, N)");
   check_float(op, "ssm_pool", ssm_pool);
@@ -253,6 +279,7 @@ Dims check_decode_step(const char* op, const Tensor& ssm_pool, const Tensor& x, 
   check_slot_values(op, "dst_slot_idx", dst_slot_idx, d.S, pad_slot_id);
   if (dst_slot_idx.has_value()) check_unique_slots(op, "dst_slot_idx", dst_slot_idx, slot_idx, pad_slot_id);
   else check_unique_slots(op, "slot_idx", slot_idx, std::nullopt, pad_slot_id);
+  check_read_write_hazard(op, slot_idx, dst_slot_idx, d.T, pad_slot_id);
   return d;
 }
 

@@ -3,7 +3,8 @@
 Pad rows and slots outside [0, S) never touch the pool and give y = 0; a pad
 destination computes y but writes nothing; checked mode turns a bad slot into an
 error naming the row and the slot; duplicate destinations: the last row wins,
-checked mode rejects them; T == 0 is a no-op."""
+checked mode rejects them (and a row writing a slot another row reads); T == 0 is
+a no-op."""
 
 import re
 
@@ -222,6 +223,27 @@ def test_checked_mode_rejects_duplicates(device, checked_mode):
         torch.ops.ssd.store_state(torch.randn(3, H, P, N, device=device), pool,
                                   torch.tensor([3, 0, 0], device=device))
     assert not pool.any()
+
+
+def test_checked_mode_ignores_duplicates_from_pad_rows(device, checked_mode):
+    # Row 0 reads the pad slot, so it writes nothing: its destination is no duplicate.
+    inputs = inputs_with(device, [-1, 1], [5, 5], S=8)
+    before = inputs["ssm_pool"].clone()
+    y = run_step(inputs)
+    assert_step_matches_reference(inputs, before, y)
+
+
+def test_checked_mode_rejects_read_write_hazard(device, checked_mode):
+    # Row 0 writes slot 1, which row 1 reads: the answer would depend on row order.
+    inputs = inputs_with(device, [0, 1], [1, 2], S=8)
+    before = inputs["ssm_pool"].clone()
+    with pytest.raises(RuntimeError, match=r"row 0 writes slot 1 .*another row reads"):
+        run_step(inputs)
+    assert torch.equal(inputs["ssm_pool"], before)
+    # Writing back into one's own source slot is no hazard.
+    own = inputs_with(device, [0, 1], [0, 1], S=8)
+    before = own["ssm_pool"].clone()
+    assert_step_matches_reference(own, before, run_step(own))
 
 
 def test_checked_mode_allows_repeated_pad_destinations(device, checked_mode):
