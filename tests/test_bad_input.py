@@ -332,3 +332,22 @@ def test_mutation_bumps_the_version_counter(device):
     assert d["ssm_pool"]._version > v1 and d["out"]._version > out_v
     torch.ops.ssd.store_state(torch.randn(T, H, P, N, device=device), d["ssm_pool"], d["slot_idx"])
     assert d["ssm_pool"]._version > v1 + 1
+
+
+def test_overlapping_written_tensors_are_refused(device):
+    # A pool or out whose elements share memory would be written by several rows at once.
+    d = base_inputs(device)
+    S, H, P, N = d["ssm_pool"].shape
+    shared_pool = torch.randn(1, H, P, N, device=device).expand(S, H, P, N)
+    with pytest.raises(RuntimeError, match=r"'ssm_pool' is written in place but some of its elements share memory"):
+        torch.ops.ssd.store_state(torch.zeros(1, H, P, N, device=device), shared_pool, None, -1)
+    d["ssm_pool"] = shared_pool
+    with pytest.raises(RuntimeError, match=r"'ssm_pool' is written in place"):
+        call_step(d, False)
+    d = base_inputs(device)
+    T = d["x"].shape[0]
+    d["out"] = torch.empty(1, 1, 1, dtype=d["x"].dtype, device=device).expand(T, H, P)
+    before = d["ssm_pool"].clone()
+    with pytest.raises(RuntimeError, match=r"'out' is written in place"):
+        call_step(d, True)
+    assert torch.equal(d["ssm_pool"], before)
