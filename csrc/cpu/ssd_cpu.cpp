@@ -6,55 +6,13 @@
 
 #include <vector>
 
-#include "../dstate_io.h"
 #include "../ssd.h"
-#include "../step.h"
+#include "cpu_common.h"
 
 namespace ssd {
 namespace {
 
-// The hot loops are compiled three times on x86-64 Linux: for AVX-512, for AVX2/F16C
-// and for the baseline ISA, picked at load time (an ifunc). Baseline SSE2 cannot pack 32-bit
-// lanes to 16 bits, so half-precision pools would stay scalar without it. The
-// templates below are forced inline into these entry points so each clone gets its
-// own code. Mul and add round the same in every ISA (and -ffp-contract=off keeps
-// FMA out), so the clones give bit-identical results.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define SSD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define SSD_CPU_CLONES
-#endif
-#define SSD_CPU_INLINE inline __attribute__((always_inline))
-#define SSD_CPU_INLINE_LAMBDA __attribute__((always_inline))
-
-// Floats per chunk on CPU: four SSE or two AVX registers, enough independent work
-// per chunk for the compiler to keep both load ports busy.
-constexpr int kVec = 16;
-
-template <typename Fn>
-SSD_CPU_INLINE void with_pool_type(Dtype dtype, Fn&& fn) {
-  switch (dtype) {
-    case Dtype::kBFloat16: fn(c10::BFloat16{}); break;
-    case Dtype::kFloat16: fn(c10::Half{}); break;
-    default: fn(float{}); break;
-  }
-}
-
-template <typename Fn>
-SSD_CPU_INLINE void with_layout(bool unit, Fn&& fn) {
-  if (unit) fn(std::true_type{});
-  else fn(std::false_type{});
-}
-
-// Widen one row whose dtype is known only at run time (B, C, a per-element A)
-// into contiguous float32 scratch.
-SSD_CPU_INLINE void widen_row(const OperandRef& r, int64_t offset, int64_t stride, int64_t n, float* out) {
-  with_pool_type(r.dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
-    using T = decltype(tag);
-    const T* p = static_cast<const T*>(r.data) + offset;
-    with_layout(stride == 1, [&](auto unit) SSD_CPU_INLINE_LAMBDA { load_row<kVec, decltype(unit)::value>(p, stride, n, out); });
-  });
-}
+using namespace cpu;
 
 // The fused step for the (row, head) pairs [begin, end).
 template <typename PoolT, bool kUnit, bool kAPerN>
@@ -122,18 +80,16 @@ SSD_CPU_INLINE void step_range(const StepParams& s, int64_t begin, int64_t end) 
         }
         if (write) out.store_tail(full, rest, st);
       }
-      for (int w = kVec / 2; w > 0; w /= 2)  // fixed tree: same order for every layout
-        for (int v = 0; v < w; ++v) acc[v] += acc[v + w];
-      store_scalar(s.y, y_row + p * s.y_stride[2], s.y_dtype, finish_y(s, acc[0], t, h, p, xv));
+      store_scalar(s.y, y_row + p * s.y_stride[2], s.y_dtype, finish_y(s, reduce_lanes(acc), t, h, p, xv));
     }
   }
 }
 
 SSD_CPU_CLONES void step_rows(const StepParams& s, bool unit, bool a_per_n, int64_t begin, int64_t end) {
-  with_pool_type(s.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
+  with_dtype(s.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using PoolT = decltype(tag);
-    with_layout(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
-      with_layout(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
+    with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
+      with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
         step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, begin, end);
       });
     });
@@ -210,9 +166,9 @@ struct PoolRows {
 
 // Rows r = (t, h, p) in [begin, end), flattened in that order.
 SSD_CPU_CLONES void load_state_rows(const PoolRows& r, int64_t begin, int64_t end) {
-  with_pool_type(r.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
+  with_dtype(r.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using T = decltype(tag);
-    with_layout(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
+    with_flag(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / (r.H * r.P), h = (i / r.P) % r.H, p = i % r.P;
         const int64_t slot = r.slots.slot(t, t);
@@ -229,9 +185,9 @@ SSD_CPU_CLONES void load_state_rows(const PoolRows& r, int64_t begin, int64_t en
 }
 
 SSD_CPU_CLONES void store_state_rows(const PoolRows& r, int64_t begin, int64_t end) {
-  with_pool_type(r.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
+  with_dtype(r.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using T = decltype(tag);
-    with_layout(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
+    with_flag(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / (r.H * r.P), h = (i / r.P) % r.H, p = i % r.P;
         const int64_t slot = r.slots.slot(t, t);

@@ -12,54 +12,13 @@
 #include <algorithm>
 #include <vector>
 
-#include "../dstate_io.h"
 #include "../ssd.h"
-#include "../step.h"
+#include "cpu_common.h"
 
 namespace ssd {
 namespace {
 
-// As in ssd_cpu.cpp: the hot loop is compiled for AVX2/F16C and for the baseline
-// ISA, picked at load time; mul and add round alike in both (no FMA contraction).
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define SSD_MULTI_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define SSD_MULTI_CLONES
-#endif
-#define SSD_MULTI_INLINE inline __attribute__((always_inline))
-// Lambdas too: otherwise the dispatch lambdas stay out-of-line, compiled for the
-// baseline ISA only, and the hot loop inside them never gets the AVX2 clone.
-#define SSD_MULTI_INLINE_LAMBDA __attribute__((always_inline))
-
-// Floats per chunk; must equal ssd_cpu.cpp's kVec so that y reduces in the same tree.
-constexpr int kVec = 16;
-
-template <typename Fn>
-SSD_MULTI_INLINE void with_dtype(Dtype dtype, Fn&& fn) {
-  switch (dtype) {
-    case Dtype::kBFloat16: fn(c10::BFloat16{}); break;
-    case Dtype::kFloat16: fn(c10::Half{}); break;
-    default: fn(float{}); break;
-  }
-}
-
-template <typename Fn>
-SSD_MULTI_INLINE void with_flag(bool flag, Fn&& fn) {
-  if (flag) fn(std::true_type{});
-  else fn(std::false_type{});
-}
-
-// Widen one row whose dtype is known only at run time (B, C, a per-element A)
-// into contiguous float32 scratch, through the dstate I/O owner.
-SSD_MULTI_INLINE void widen_row(const OperandRef& r, int64_t offset, int64_t stride, int64_t n, float* out) {
-  with_dtype(r.dtype, [&](auto tag) SSD_MULTI_INLINE_LAMBDA {
-    using T = decltype(tag);
-    const T* p = static_cast<const T*>(r.data) + offset;
-    with_flag(stride == 1, [&](auto unit) SSD_MULTI_INLINE_LAMBDA {
-      load_row<kVec, decltype(unit)::value>(p, stride, n, out);
-    });
-  });
-}
+using namespace cpu;
 
 // Per row: its tokens, its source slot, and for each token the slot its state
 // goes to (kNoSlot when it writes nothing). Computed once per call, so the
@@ -105,7 +64,7 @@ Plan make_plan(const MultiStepParams& m) {
 // One token on one chunk: st advances in registers and adds st * C into the
 // token's accumulator lanes. Local copies and __restrict let the compiler keep the
 // chunk in vector registers (the scratch rows would otherwise alias each other).
-SSD_MULTI_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
+SSD_CPU_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
                                     const float* __restrict c, float dA, float dtx) {
   float a[kVec];
   for (int v = 0; v < kVec; ++v) a[v] = acc[v];
@@ -116,7 +75,7 @@ SSD_MULTI_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, co
   for (int v = 0; v < kVec; ++v) acc[v] = a[v];
 }
 
-SSD_MULTI_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
+SSD_CPU_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
                                     const float* __restrict c, const float (&dA)[kVec], float dtx) {
   float a[kVec];
   for (int v = 0; v < kVec; ++v) a[v] = acc[v];
@@ -129,7 +88,7 @@ SSD_MULTI_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, co
 
 // The multi-token step for the (row, head) pairs [begin, end).
 template <typename PoolT, bool kUnit, bool kAPerN>
-SSD_MULTI_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int64_t begin, int64_t end) {
+SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int64_t begin, int64_t end) {
   const StepParams& s = m.step;
   const int64_t N = s.N, full = N / kVec, Kmax = plan.max_tokens;
   const int rest = static_cast<int>(N - full * kVec);
@@ -225,23 +184,20 @@ SSD_MULTI_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, in
         }
       }
       for (int64_t k = 0; k < count; ++k) {
-        float* a = acc + k * kVec;
-        for (int w = kVec / 2; w > 0; w /= 2)  // fixed tree: same order for every layout
-          for (int v = 0; v < w; ++v) a[v] += a[v + w];
         const StepParams& v = views[k];
         store_scalar(v.y, first * v.y_stride[0] + h * v.y_stride[1] + p * v.y_stride[2], v.y_dtype,
-                     finish_y(v, a[0], first, h, p, xv[k]));
+                     finish_y(v, reduce_lanes(acc + k * kVec), first, h, p, xv[k]));
       }
     }
   }
 }
 
-SSD_MULTI_CLONES void multi_rows(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
+SSD_CPU_CLONES void multi_rows(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
                                  int64_t begin, int64_t end) {
-  with_dtype(m.step.pool_dtype, [&](auto tag) SSD_MULTI_INLINE_LAMBDA {
+  with_dtype(m.step.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using PoolT = decltype(tag);
-    with_flag(unit, [&](auto kUnit) SSD_MULTI_INLINE_LAMBDA {
-      with_flag(a_per_n, [&](auto kAPerN) SSD_MULTI_INLINE_LAMBDA {
+    with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
+      with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
         multi_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(m, plan, begin, end);
       });
     });
