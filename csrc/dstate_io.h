@@ -176,16 +176,16 @@ SSD_HD void store_unit(T* p, const float (&r)[VEC]) {
     // halves of 16 lanes with one shuffle.
     typedef uint32_t u32x8 __attribute__((vector_size(32)));
     typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    // Whole-vector loads and bit casts only: a vector assembled from narrower
+    // stack stores cannot be store-forwarded and stalls.
     for (int i = 0; i < VEC; i += 16) {
-      u32x8 bits[2];
-      __builtin_memcpy(bits, r + i, sizeof bits);
-      u16x16 halves[2];
-      for (int k = 0; k < 2; ++k) {
-        const u32x8 rounded = bits[k] + 0x7FFFu + ((bits[k] >> 16) & 1u);  // nearest, ties to even
-        const u32x8 nan = (bits[k] & 0x7FFFFFFFu) > 0x7F800000u;          // all-ones lanes
-        const u32x8 hi = (nan & 0x7FC00000u) | (~nan & rounded);
-        __builtin_memcpy(&halves[k], &hi, sizeof hi);
-      }
+      u32x8 lo, hi;
+      __builtin_memcpy(&lo, r + i, sizeof lo);
+      __builtin_memcpy(&hi, r + i + 8, sizeof hi);
+      const u32x8 lo_nan = (lo & 0x7FFFFFFFu) > 0x7F800000u, hi_nan = (hi & 0x7FFFFFFFu) > 0x7F800000u;
+      lo = (lo_nan & 0x7FC00000u) | (~lo_nan & (lo + 0x7FFFu + ((lo >> 16) & 1u)));  // nearest, ties to even
+      hi = (hi_nan & 0x7FC00000u) | (~hi_nan & (hi + 0x7FFFu + ((hi >> 16) & 1u)));
+      const u16x16 halves[2] = {(u16x16)lo, (u16x16)hi};
 #if defined(__clang__)
       const u16x16 out = __builtin_shufflevector(halves[0], halves[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19,
                                                  21, 23, 25, 27, 29, 31);
