@@ -78,5 +78,9 @@ setup(
     },
     python_requires=">=3.10",
     install_requires=["torch>=2.7"],
-    extras_require={"plot": ["matplotlib"], "test": ["pytest", "expecttest"]},
+    extras_require={
+        "plot": ["matplotlib"],
+        "transformers": ["transformers>=5.24,<6"],
+        "test": ["pytest", "expecttest", "hypothesis"],
+    },
 )
