@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (registers torch.ops.ssd.*)
-from .ops import _expand_A
+from .ops import _prepare
 
 __all__ = [
     "decode_step_multi",
@@ -51,21 +51,8 @@ def _decode_step_varlen_out_fake(ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_
 
 
 # ---------------------------------------------------------------------------
-# Wrappers: per-head operands are expanded with stride 0 (no copy).
+# Wrappers: per-head operands are expanded with stride 0 (no copy), as in ops.py.
 # ---------------------------------------------------------------------------
-
-
-def _prepare(ssm_pool: Tensor, x: Tensor, dt: Tensor, A: Tensor, D: Tensor | None, dt_bias: Tensor | None):
-    """dt per head (x's leading dims, H) -> x's shape; A (H,) / (H, P) -> (H, P, N);
-    D, dt_bias (H,) -> (H, P); all with stride 0."""
-    H, P, N = ssm_pool.shape[1:]
-    if dt.dim() == x.dim() - 1:
-        dt = dt.unsqueeze(-1).expand(*dt.shape, P)
-    if D is not None and D.dim() == 1:
-        D = D.unsqueeze(-1).expand(H, P)
-    if dt_bias is not None and dt_bias.dim() == 1:
-        dt_bias = dt_bias.unsqueeze(-1).expand(H, P)
-    return dt, _expand_A(A, H, P, N), D, dt_bias
 
 
 def decode_step_multi(

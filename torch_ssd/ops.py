@@ -98,9 +98,12 @@ def _expand_A(A: Tensor, H: int, P: int, N: int) -> Tensor:
 
 
 def _prepare(ssm_pool, x, dt, A, D, dt_bias):
+    """Per-head operands expanded with stride 0: dt (x's leading dims, H) -> x's shape
+    (single- and multi-token forms alike); A (H,) / (H, P) -> (H, P, N); D, dt_bias
+    (H,) -> (H, P)."""
     H, P, N = ssm_pool.shape[1:]
-    T = x.shape[0]
-    dt = _per_channel("dt", dt, T, H, P)
+    if dt.dim() == x.dim() - 1:
+        dt = dt.unsqueeze(-1).expand(*dt.shape, P)
     D = _per_channel("D", D, None, H, P)
     dt_bias = _per_channel("dt_bias", dt_bias, None, H, P)
     return dt, _expand_A(A, H, P, N), D, dt_bias
