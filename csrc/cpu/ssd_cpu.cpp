@@ -16,7 +16,7 @@ using namespace cpu;
 
 // The fused step for the (row, head) pairs [begin, end).
 template <typename PoolT, bool kUnit, bool kAPerN>
-SSD_CPU_INLINE void step_range(const StepParams& s, int64_t begin, int64_t end) {
+SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64_t begin, int64_t end) {
   const int64_t N = s.N, full = N / kVec;
   const int rest = static_cast<int>(N - full * kVec);
   std::vector<float> scratch((kAPerN ? 3 : 2) * N);
@@ -37,7 +37,7 @@ SSD_CPU_INLINE void step_range(const StepParams& s, int64_t begin, int64_t end) 
       continue;
     }
     const int64_t dst = s.dst.slot(t, t);
-    const bool write = row_writes(s, t, dst);
+    const bool write = writes[t];
     if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
       widen_row(s.B, t * s.B.stride[0] + g * s.B.stride[1], s.B.stride[2], N, Bf);
       widen_row(s.C, t * s.C.stride[0] + g * s.C.stride[1], s.C.stride[2], N, Cf);
@@ -85,22 +85,28 @@ SSD_CPU_INLINE void step_range(const StepParams& s, int64_t begin, int64_t end) 
   }
 }
 
-SSD_CPU_CLONES void step_rows(const StepParams& s, bool unit, bool a_per_n, int64_t begin, int64_t end) {
+SSD_CPU_CLONES void step_rows(const StepParams& s, const uint8_t* writes, bool unit, bool a_per_n, int64_t begin,
+                              int64_t end) {
   with_dtype(s.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
     using PoolT = decltype(tag);
     with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
       with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
-        step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, begin, end);
+        step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, writes, begin, end);
       });
     });
   });
 }
 
 void run_step(const StepParams& s, bool unit, bool a_per_n) {
+  // Whether each row writes its state (the last-writer rule scans the later rows):
+  // decided once per row here, not once per (row, head) task.
+  std::vector<uint8_t> writes(s.T);
+  for (int64_t t = 0; t < s.T; ++t) writes[t] = row_writes(s, t, s.dst.slot(t, t));
   // Each (row, head) pair is P * N elements of state: one pair is worth a task.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, s.P * s.N));
-  at::parallel_for(0, s.T * s.H, grain,
-                   [&](int64_t begin, int64_t end) { step_rows(s, unit, a_per_n, begin, end); });
+  at::parallel_for(0, s.T * s.H, grain, [&](int64_t begin, int64_t end) {
+    step_rows(s, writes.data(), unit, a_per_n, begin, end);
+  });
 }
 
 void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
@@ -148,6 +154,7 @@ struct PoolRows {
   SlotRef slots;
   int64_t S = 0, T = 0, H = 0, P = 0, N = 0, pad_slot_id = -1;
   bool unit = false;  // both rows have stride 1 along N
+  std::vector<uint8_t> writes;  // store_state: whether row t writes its slot (last writer wins)
 
   PoolRows(const Tensor& ssm_pool, const Tensor& state_t, const OptTensor& slot_idx, int64_t pad)
       : pool(ssm_pool.data_ptr()), pool_dtype(to_dtype(ssm_pool)), state(state_t.data_ptr<float>()),
@@ -190,8 +197,8 @@ SSD_CPU_CLONES void store_state_rows(const PoolRows& r, int64_t begin, int64_t e
     with_flag(r.unit, [&](auto unit) SSD_CPU_INLINE_LAMBDA {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / (r.H * r.P), h = (i / r.P) % r.H, p = i % r.P;
+        if (!r.writes[t]) continue;
         const int64_t slot = r.slots.slot(t, t);
-        if (!last_writer(r.slots, SlotRef{}, false, r.T, r.S, r.pad_slot_id, t, slot)) continue;
         store_row<kVec, decltype(unit)::value>(r.state + r.state_offset(t, h, p), r.state_stride[3],
                                                static_cast<T*>(r.pool) + r.pool_offset(slot, h, p),
                                                r.pool_stride[3], r.N);
@@ -221,7 +228,10 @@ Tensor load_state_cpu(const Tensor& ssm_pool, const OptTensor& slot_idx, int64_t
 void store_state_cpu(const Tensor& state, const Tensor& ssm_pool, const OptTensor& slot_idx,
                      int64_t pad_slot_id) {
   const Dims d = check_store_state(state, ssm_pool, slot_idx, pad_slot_id);
-  const PoolRows rows(ssm_pool, state, slot_idx, pad_slot_id);
+  PoolRows rows(ssm_pool, state, slot_idx, pad_slot_id);
+  rows.writes.resize(d.T);
+  for (int64_t t = 0; t < d.T; ++t)
+    rows.writes[t] = last_writer(rows.slots, SlotRef{}, false, d.T, d.S, pad_slot_id, t, rows.slots.slot(t, t));
   at::parallel_for(0, d.T * d.H * d.P, row_grain(d.N),
                    [&](int64_t begin, int64_t end) { store_state_rows(rows, begin, end); });
 }
