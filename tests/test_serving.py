@@ -194,7 +194,7 @@ def test_low_precision_state(dtype):
         (dict(state=torch.zeros(2, 3)), "state"),
         (dict(x=torch.zeros(4, 32)), "x"),  # 2-D x with a 4-D state
         (dict(B=torch.zeros(4, 16)), "B"),
-        (dict(state_batch_indices=torch.zeros(4, 2, dtype=torch.long)), "state_batch_indices"),
+        (dict(state_batch_indices=torch.zeros(4, 1, 1, dtype=torch.long)), "state_batch_indices"),
         (dict(dst_state_batch_indices=torch.zeros(1, 4, dtype=torch.long)), "dst_state_batch_indices"),
         (dict(out=torch.zeros(4, 4, 8, dtype=torch.float64)), "out"),
         (dict(D=torch.zeros(3)), "D"),

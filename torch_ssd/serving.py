@@ -1,9 +1,11 @@
 """Serving-engine face of torch_ssd.
 
 ``selective_state_update`` takes the argument names and shape conventions that
-mamba_ssm, vLLM, SGLang and FlashInfer share, so an engine can swap its decode
-kernel for ``torch.ops.ssd`` by changing one import. ``StatePool`` owns the
-per-layer state pools of a continuous-batching engine and hands out slots.
+mamba_ssm, vLLM, SGLang and FlashInfer share, including the multi-token forms of
+speculative decoding (``cu_seqlens``, ``num_accepted_tokens``, per-token slot
+tables), so an engine can swap its decode kernel for ``torch.ops.ssd`` by changing
+one import. ``StatePool`` owns the per-layer state pools of a continuous-batching
+engine and hands out slots.
 """
 
 from __future__ import annotations
@@ -27,18 +29,37 @@ def _require_rank(name: str, t: Tensor | None, ranks: tuple[int, ...], form: str
         )
 
 
-def _one_index_per_row(name: str, idx: Tensor | None) -> Tensor | None:
-    """Accept (T,) and the (T, 1) form engines use when speculative decoding is off."""
-    if idx is None:
-        return None
-    if idx.dim() == 2 and idx.shape[1] == 1:
-        return idx[:, 0]
-    if idx.dim() != 1:
+def _require_table(name: str, idx: Tensor | None) -> None:
+    """A slot table is (rows,) or (rows, W): W columns per row (one per token, or
+    vLLM's per-token slots of the previous step)."""
+    if idx is not None and (idx.dim() not in (1, 2) or (idx.dim() == 2 and idx.shape[1] == 0)):
         raise RuntimeError(
-            f"selective_state_update: {name} must be (batch,) or (batch, 1), got shape {tuple(idx.shape)} "
-            "(several tokens per sequence, as in speculative decoding, are not supported)"
+            f"selective_state_update: {name} must be (batch,) or (batch, W) with W >= 1, got a "
+            f"{idx.dim()}-D tensor of shape {tuple(idx.shape)}"
         )
-    return idx
+
+
+def _column0(idx: Tensor | None) -> Tensor | None:
+    """Without num_accepted_tokens a row reads column 0 of a (batch, W) table and, on the
+    flat layouts, writes its final state to column 0 (vLLM's rule)."""
+    return idx[:, 0] if idx is not None and idx.dim() == 2 else idx
+
+
+def _source_column(src: Tensor, num_accepted_tokens: Tensor | None) -> Tensor | None:
+    """The slot each row starts from, src[t, max(n - 1, 0)], as a (T,) tensor; None when
+    num_accepted_tokens does not fit src (the op then names the argument).
+
+    Computed on the device (no synchronisation, capturable); an n outside [0, W] is
+    clamped here, and the op makes such a row a pad row, which writes nothing.
+    """
+    T, W = src.shape
+    if num_accepted_tokens is None:
+        return src[:, 0]
+    n = num_accepted_tokens
+    if n.dim() != 1 or n.shape[0] != T or n.dtype not in (torch.int32, torch.int64) or n.device != src.device:
+        return None
+    col = (n.long() - 1).clamp(min=0, max=W - 1)
+    return src.gather(1, col.view(T, 1)).view(T)
 
 
 def selective_state_update(
@@ -56,10 +77,14 @@ def selective_state_update(
     dst_state_batch_indices: Tensor | None = None,
     pad_slot_id: int = -1,
     out: Tensor | None = None,
+    num_accepted_tokens: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    *,
+    disable_state_update: bool = False,
 ) -> Tensor:
-    """Drop-in single-token ``selective_state_update`` running on ``torch.ops.ssd``.
+    """Drop-in ``selective_state_update`` (vLLM / FlashInfer / SGLang / mamba_ssm) on ``torch.ops.ssd``.
 
-    Two forms, chosen by the rank of ``state``:
+    Two state forms, chosen by the rank of ``state``:
 
     with heads (Mamba-2)                      no heads (3-D form, Mamba-1 style)
       state (S, H, P, N)   updated in place     state (S, dim, N)
@@ -69,27 +94,51 @@ def selective_state_update(
       B, C (batch, G, N), H % G == 0            B, C (batch, N)
       D, dt_bias (H, P) or per-head (H,)        D, dt_bias (dim,)
 
-    Any strides are fine, including per-head values expanded with stride 0 (the way
-    models hold A, dt, D and dt_bias). Row i reads ``state[state_batch_indices[i]]``
-    (row i when None) and writes ``state[dst_state_batch_indices[i]]`` (the source
-    slot when None); a row whose slot is ``pad_slot_id`` is skipped and gets y = 0.
+    Tokens (docs/multi_token.md section 5 maps each case onto the ops):
 
-    Returns y in x's dtype. With ``out`` the result is written into it (no
+    - one token per row (the shapes above): row i reads slot ``state_batch_indices[i]``
+      (row i when None) and writes ``dst_state_batch_indices[i]`` (the source slot when
+      None). A (batch, W) table is read at column 0, as vLLM and FlashInfer do.
+    - ``cu_seqlens`` (T + 1,), vLLM's and FlashInfer's varlen layout: x, dt, z, out and B,
+      C carry a flat token axis in place of batch, (num_tokens, ...); row t owns tokens
+      [cu_seqlens[t], cu_seqlens[t + 1]). Without num_accepted_tokens the row starts
+      from column 0 of ``state_batch_indices`` and writes its final state to column 0 of
+      ``dst_state_batch_indices`` (vLLM).
+    - a token axis, FlashInfer's multi-token layout (with-heads form only): x, z, out
+      (batch, T, H, P); dt (batch, T, H, P) or (batch, T, H); B, C (batch, T, G, N).
+      A (batch, T) ``dst_state_batch_indices`` takes the state after token k in column k;
+      a (batch,) one, or none (then the row's source slot), takes the final state.
+    - ``num_accepted_tokens`` (T,), speculative decoding (vLLM's rule): needs a (T, W)
+      ``state_batch_indices``; row t starts from column n - 1 (column 0 for n = 0), n =
+      num_accepted_tokens[t]. With the flat layouts the state after token k goes to
+      column k of ``dst_state_batch_indices`` (``state_batch_indices`` when None).
+
+    ``disable_state_update=True`` (FlashInfer) computes y and writes no state. A row whose
+    source slot is ``pad_slot_id`` (or outside the pool) is skipped and gets y = 0; a
+    destination equal to ``pad_slot_id`` skips that one write. Any strides are fine,
+    including per-head values expanded with stride 0.
+
+    Returns y in x's dtype and x's shape. With ``out`` the result is written into it (no
     allocation, what a CUDA graph captures) and ``out`` itself is returned.
     """
+    if not isinstance(disable_state_update, bool):
+        raise RuntimeError("selective_state_update: disable_state_update must be a bool, "
+                           f"got {type(disable_state_update).__name__}")
+    flat = "num_tokens" if cu_seqlens is not None else "batch"
     if state.dim() == 3:
         form = "no-heads"
-        _require_rank("x", x, (2,), form, "(batch, dim)")
-        _require_rank("dt", dt, (2,), form, "(batch, dim)")
-        _require_rank("z", z, (2,), form, "(batch, dim)")
-        _require_rank("out", out, (2,), form, "(batch, dim)")
+        _require_rank("x", x, (2,), form, f"({flat}, dim) (the no-heads form has no token axis)")
+        _require_rank("dt", dt, (2,), form, f"({flat}, dim)")
+        _require_rank("z", z, (2,), form, f"({flat}, dim)")
+        _require_rank("out", out, (2,), form, f"({flat}, dim)")
         _require_rank("A", A, (2,), form, "(dim, dstate)")
-        _require_rank("B", B, (2,), form, "(batch, dstate)")
-        _require_rank("C", C, (2,), form, "(batch, dstate)")
+        _require_rank("B", B, (2,), form, f"({flat}, dstate)")
+        _require_rank("C", C, (2,), form, f"({flat}, dstate)")
         _require_rank("D", D, (1,), form, "(dim,)")
         _require_rank("dt_bias", dt_bias, (1,), form, "(dim,)")
-        # One head whose head dim is the channel dim (the *4 names are the 4-D views the
-        # op takes); every view shares storage, so state and out are written in place.
+        # One head whose head dim is the channel dim (the *4 names are the views with a
+        # head axis that the ops take); every view shares storage, so state and out are
+        # written in place.
         pool = state.unsqueeze(1)
         x4, dt4, z4 = x.unsqueeze(1), dt.unsqueeze(1), None if z is None else z.unsqueeze(1)
         A4 = A.unsqueeze(0)
@@ -99,18 +148,27 @@ def selective_state_update(
         out4 = None if out is None else out.unsqueeze(1)
     elif state.dim() == 4:
         form = "with-heads"
-        _require_rank("x", x, (3,), form, "(batch, nheads, dim)")
-        _require_rank("dt", dt, (2, 3), form, "(batch, nheads, dim) or per-head (batch, nheads)")
-        _require_rank("z", z, (3,), form, "(batch, nheads, dim)")
-        _require_rank("out", out, (3,), form, "(batch, nheads, dim)")
+        if x.dim() == 4:
+            lead = "batch, T"
+        elif x.dim() == 3:
+            lead = flat
+        else:
+            raise RuntimeError(
+                f"selective_state_update: x must be ({flat}, nheads, dim) or, with a token axis, "
+                f"(batch, T, nheads, dim) in the {form} form, got a {x.dim()}-D tensor of shape {tuple(x.shape)}"
+            )
+        r = x.dim()
+        _require_rank("dt", dt, (r, r - 1), form, f"({lead}, nheads, dim) or per-head ({lead}, nheads)")
+        _require_rank("z", z, (r,), form, f"({lead}, nheads, dim)")
+        _require_rank("out", out, (r,), form, f"({lead}, nheads, dim)")
         _require_rank("A", A, (1, 2, 3), form, "(nheads, dim, dstate) or per-head (nheads,)")
-        _require_rank("B", B, (3,), form, "(batch, ngroups, dstate)")
-        _require_rank("C", C, (3,), form, "(batch, ngroups, dstate)")
+        _require_rank("B", B, (r,), form, f"({lead}, ngroups, dstate)")
+        _require_rank("C", C, (r,), form, f"({lead}, ngroups, dstate)")
         _require_rank("D", D, (1, 2), form, "(nheads, dim) or per-head (nheads,)")
         _require_rank("dt_bias", dt_bias, (1, 2), form, "(nheads, dim) or per-head (nheads,)")
         H, P, N = state.shape[1:]
         pool, x4, z4, B4, C4, out4 = state, x, z, B, C, out
-        dt4 = _per_channel("dt", dt, x.shape[0], H, P)
+        dt4 = dt.unsqueeze(-1).expand(*dt.shape, P) if dt.dim() == r - 1 else dt
         A4 = _expand_A(A, H, P, N)
         D4 = _per_channel("D", D, None, H, P)
         bias4 = _per_channel("dt_bias", dt_bias, None, H, P)
@@ -120,20 +178,74 @@ def selective_state_update(
             f"(S, dim, dstate); got a {state.dim()}-D tensor of shape {tuple(state.shape)}"
         )
 
-    src = _one_index_per_row("state_batch_indices", state_batch_indices)
-    dst = _one_index_per_row("dst_state_batch_indices", dst_state_batch_indices)
+    token_axis = x4.dim() == 4
+    _require_table("state_batch_indices", state_batch_indices)
+    _require_table("dst_state_batch_indices", dst_state_batch_indices)
+    if cu_seqlens is not None and token_axis:
+        raise RuntimeError(
+            "selective_state_update: cu_seqlens marks rows on a flat token axis, x (num_tokens, nheads, dim), "
+            f"but x has a token axis, shape {tuple(x.shape)} (batch, T, nheads, dim); flatten x, dt, z, B, C "
+            "and out to (num_tokens, ...) or drop cu_seqlens"
+        )
+    if num_accepted_tokens is not None and (state_batch_indices is None or state_batch_indices.dim() != 2):
+        got = "None" if state_batch_indices is None else f"shape {tuple(state_batch_indices.shape)}"
+        raise RuntimeError(
+            "selective_state_update: num_accepted_tokens picks each row's source slot from column n - 1 of "
+            f"a (batch, W) state_batch_indices table, got state_batch_indices {got}"
+        )
+
+    write_state = not disable_state_update
+    src, dst, pad = state_batch_indices, dst_state_batch_indices, int(pad_slot_id)
     try:
-        if out4 is None:
-            y = torch.ops.ssd.decode_step(pool, x4, dt4, A4, B4, C4, D4, z4, bias4, bool(dt_softplus), src, dst,
-                                          int(pad_slot_id))
-            return y.squeeze(1) if state.dim() == 3 else y
-        torch.ops.ssd.decode_step_out(pool, x4, dt4, A4, B4, C4, D4, z4, bias4, bool(dt_softplus), src, dst,
-                                      int(pad_slot_id), out4)
-        return out
+        if token_axis:
+            # FlashInfer's rule: without dst_state_batch_indices the final state goes back
+            # to the slot the row started from (for a 2-D table, the op's default would
+            # be per-token writes into it instead).
+            if dst is None and src is not None and src.dim() == 2:
+                dst = _source_column(src, num_accepted_tokens)
+            args = (pool, x4, dt4, A4, B4, C4, D4, z4, bias4, bool(dt_softplus), src, dst, pad,
+                    num_accepted_tokens, write_state)
+            y4 = _multi(args, out4)
+        elif cu_seqlens is not None:
+            if num_accepted_tokens is None:
+                src, dst = _column0(src), _column0(dst)
+            args = (pool, x4, dt4, A4, B4, C4, cu_seqlens, D4, z4, bias4, bool(dt_softplus), src, dst, pad,
+                    num_accepted_tokens, write_state)
+            if out4 is None:
+                y4 = torch.ops.ssd.decode_step_varlen(*args)
+            else:
+                torch.ops.ssd.decode_step_varlen_out(*args, out4)
+                y4 = out4
+        elif num_accepted_tokens is not None or not write_state:
+            # One token per row as a K = 1 multi-token step (views, no copies).
+            if num_accepted_tokens is None:
+                src, dst = _column0(src), _column0(dst)
+            args = (pool, x4.unsqueeze(1), dt4.unsqueeze(1), A4, B4.unsqueeze(1), C4.unsqueeze(1), D4,
+                    None if z4 is None else z4.unsqueeze(1), bias4, bool(dt_softplus), src, dst, pad,
+                    num_accepted_tokens, write_state)
+            y4 = _multi(args, None if out4 is None else out4.unsqueeze(1)).squeeze(1)
+        else:
+            src, dst = _column0(src), _column0(dst)
+            args = (pool, x4, dt4, A4, B4, C4, D4, z4, bias4, bool(dt_softplus), src, dst, pad)
+            if out4 is None:
+                y4 = torch.ops.ssd.decode_step(*args)
+            else:
+                torch.ops.ssd.decode_step_out(*args, out4)
+                y4 = out4
     except RuntimeError as err:
         if type(err) is not RuntimeError:  # keep NotImplementedError, OutOfMemoryError, ... as they are
             raise
         raise RuntimeError(_in_drop_in_names(str(err))) from None
+    if out is not None:
+        return out
+    return y4.squeeze(1) if state.dim() == 3 else y4
+
+
+def _multi(args: tuple, out: Tensor | None) -> Tensor:
+    if out is None:
+        return torch.ops.ssd.decode_step_multi(*args)
+    torch.ops.ssd.decode_step_multi_out(*args, out)
+    return out
 
 
 # The op's argument names, as a caller of selective_state_update knows them.
