@@ -8,7 +8,9 @@ marshalling (argument blocks, storage offsets, kernel names, grids) with CPU
 tensors. So these tests run the Metal source and the Python MPS path together,
 against the float64 reference, for every op, pool and input dtype, layout, pad
 rows and out-of-range slots; they also check bit-identity across layouts and
-across thread orders.
+across thread orders. The multi-token ops run tests/test_multi_token.py's contract
+tests with torch.ops.ssd served by these kernels, plus the Metal-specific cases
+(rows longer than one token block, bit-identity with K single Metal steps).
 
 The source is compiled twice, as Metal 3.1 (native bfloat) and as Metal 3.0 (the
 bfloat16-as-bits fallback), once per session, cached under build/metal_cpu_shim/.
@@ -17,8 +19,10 @@ bfloat16-as-bits fallback), once per session, cached under build/metal_cpu_shim/
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +32,7 @@ import pytest
 import torch
 
 import metal_parse
+import test_multi_token as mt
 import torch_ssd
 from conftest import (
     apply_layout,
@@ -38,7 +43,7 @@ from conftest import (
     step_args,
     storage_base,
 )
-from torch_ssd import mps, reference
+from torch_ssd import mps, reference, reference_multi
 
 # Out-of-range slots are pad rows unless a test turns checked mode on.
 pytestmark = pytest.mark.usefixtures("unchecked_mode")
@@ -326,11 +331,12 @@ def test_every_kernel_name_the_host_can_ask_for_is_compiled(shim):
         for row in FLOATS:
             for unit in (True, False):
                 for a_per_n in (True, False):
-                    names.add(mps.step_kernel_name(pool, row, unit, a_per_n))
+                    for multi in (False, True):
+                        names.add(mps.step_kernel_name(pool, row, unit, a_per_n, multi))
         for layout in ("vec", "strided"):
             names |= {f"ssd_load_state_{IDS[pool]}_{layout}", f"ssd_widen_rows_{IDS[pool]}_{layout}",
                       f"ssd_store_state_{IDS[pool]}_{layout}"}
-    names.add("ssd_row_plan")
+    names |= {"ssd_row_plan", "ssd_multi_plan"}
     assert names <= shim.names, sorted(names - shim.names)
     assert len(shim.names) == len(names), sorted(shim.names - names)
 
@@ -687,3 +693,294 @@ def test_tail_lanes_add_nothing_when_decay_overflows(shim, N):
     y = run_decode_step(shim, inputs)
     assert torch.equal(y, torch.full_like(y, float("inf")))
     assert torch.equal(torch.ops.ssd.decode_step(*step_args(cpu)), y)
+
+
+# ---------------------------------------------------------------------------
+# The multi-token ops (docs/multi_token.md) on the Metal source
+# ---------------------------------------------------------------------------
+
+# Tokens a thread keeps in registers at once (ssd_kernels.metal); longer rows take the
+# replay path.
+TOKENS_PER_BLOCK = int(re.search(r"kTokensPerBlock = (\d+)", mps.metal_source())[1])
+SERVED_OPS = ("decode_step", "decode_step_out", "decode_step_multi", "decode_step_multi_out",
+              "decode_step_varlen", "decode_step_varlen_out")
+
+
+def _serve_ops(lib, monkeypatch):
+    """torch.ops.ssd's decode steps, single- and multi-token, served by ``lib``, so the
+    contract tests of tests/test_multi_token.py run on the Metal source."""
+    for name in SERVED_OPS:
+        getattr(torch.ops.ssd, name)  # resolve before patching
+        monkeypatch.setattr(torch.ops.ssd, name, functools.partial(getattr(mps, name), lib=lib))
+
+
+@pytest.fixture
+def multi_on_shim(shim, monkeypatch):
+    _serve_ops(shim, monkeypatch)
+    return shim
+
+
+@pytest.fixture
+def multi_on_shim31(shim31, monkeypatch):
+    _serve_ops(shim31, monkeypatch)
+    return shim31
+
+
+def _multi_kernels(lib) -> set[str]:
+    return {call[0] for call in lib.calls if call[0].startswith("ssd_decode_step_multi")}
+
+
+def _check_varlen(d: dict, y: torch.Tensor, before: torch.Tensor) -> dict:
+    """y and the pool of a varlen call against the float64 reference; tokens of pad
+    rows and tokens no row owns are exactly 0. Returns the expected writes."""
+    ref = mt.cpu_args(dict(d, ssm_pool=before), mt.VARLEN_ARGS)
+    y64, _, states64 = reference_multi.decode_step_varlen(**ref, compute_dtype=torch.float64)
+    L, S = d["x"].shape[0], before.shape[0]
+    cu = ref["cu_seqlens"].tolist()
+    T = len(cu) - 1
+    bounds = [(cu[t], cu[t + 1]) if 0 <= cu[t] <= cu[t + 1] <= L else (0, 0) for t in range(T)]
+    counts = [e - b for b, e in bounds]
+    src = reference_multi.source_slots(T, S, ref["slot_idx"], ref["num_accepted_tokens"], d["pad_slot_id"])
+    dst = reference_multi.dest_slots(T, counts, ref["slot_idx"], ref["dst_slot_idx"], ref["write_state"])
+    live = [i for t, (b, e) in enumerate(bounds) if mt.PAD != src[t] and 0 <= src[t] < S for i in range(b, e)]
+    mt.assert_y_close(y, y64, live, d["x"].dtype)
+    writes = mt.expected_writes(S, d["pad_slot_id"], src, dst)
+    row_states = [[states64[bounds[t][0] + k] for k in range(counts[t])] for t in range(T)]
+    mt.assert_pool_matches(d["ssm_pool"], before, row_states, writes, src)
+    return writes
+
+
+@pytest.mark.parametrize("pattern", mt.FIXED_PATTERNS)
+@pytest.mark.parametrize("K", (1, 2, 4, 8))
+def test_multi_fixed_matches_reference(multi_on_shim31, K, pattern):
+    """Every slot pattern of the contract tests -- 0, 1, K or a mix of accepted tokens,
+    pad rows and pad destinations, per-token and final-only destinations, write_state
+    False -- with the pool dtype rotating through float32, bfloat16 and float16."""
+    pool_dtype = FLOATS[(mt.FIXED_PATTERNS.index(pattern) + K) % 3]
+    mt.test_fixed_matches_reference("cpu", K, pattern, pool_dtype)
+    assert _multi_kernels(multi_on_shim31) == {f"ssd_decode_step_multi_{IDS[pool_dtype]}_f32_vec_an"}
+
+
+@pytest.mark.parametrize("pool_dtype", FLOATS, ids=IDS.get)
+@pytest.mark.parametrize("case", list(mt.VARLEN_CASES))
+def test_multi_varlen_matches_reference(multi_on_shim31, case, pool_dtype):
+    # Lengths 0, 1 and W, a tail of tokens no row owns, n = 0 / 1 / W and n > W.
+    mt.test_varlen_matches_reference("cpu", None, case, pool_dtype, pool_dtype != torch.float32)
+    assert _multi_kernels(multi_on_shim31)
+
+
+@pytest.mark.parametrize("pattern", ("per_token", "spec_zero", "spec_all", "spec_mixed", "final_in_place",
+                                     "no_write"))
+@pytest.mark.parametrize("K", (TOKENS_PER_BLOCK + 1, 2 * TOKENS_PER_BLOCK + 3))
+def test_multi_rows_longer_than_a_token_block(multi_on_shim31, K, pattern):
+    """A row of more than TOKENS_PER_BLOCK tokens is done in blocks that replay the
+    earlier tokens from the source. In the spec patterns a token writes the row's own
+    source slot (spec_zero: token 0); that write must wait for the last block, or the
+    replay would start from a state that is already advanced (and rounded)."""
+    T = 4
+    d = mt.set_slots(mt.token_operands((T, K), T * K + T + 3, pool_dtype=torch.bfloat16, seed=K), pattern, T, K)
+    fixed = mt.clone(d)
+    before = d["ssm_pool"].clone()
+    y = torch.ops.ssd.decode_step_multi(*mt.multi_args(fixed))
+    writes = mt.check_fixed_against_reference(fixed, y, before)
+    if pattern == "spec_zero":  # every row writes its own source slot with token 0
+        assert all(writes[int(d["slot_idx"][t, 0])] == (t, 0) for t in range(T))
+    # The varlen form of the same rows: the same bits.
+    varlen = mt.clone(mt.varlen_from_fixed(d))
+    y_varlen = torch.ops.ssd.decode_step_varlen(*mt.varlen_args(varlen))
+    assert torch.equal(y_varlen, y.reshape(T * K, mt.H, mt.P))
+    assert torch.equal(varlen["ssm_pool"], fixed["ssm_pool"])
+
+
+def _single_metal_steps(d: dict, T: int, K: int) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
+    """K single-token steps (ssd.decode_step, served by the Metal kernels) on a copy of
+    the pool, each reading the previous token's slot. Returns (y (T, K, H, P), pool,
+    the spare slots written in place of pad destinations)."""
+    S = d["ssm_pool"].shape[0]
+    src = reference_multi.source_slots(T, S, d["slot_idx"], d["num_accepted_tokens"], mt.PAD)
+    dst = reference_multi.dest_slots(T, [K] * T, d["slot_idx"], d["dst_slot_idx"], True)
+    pool = d["ssm_pool"].clone()
+    taken = set(src) | {slot for row in dst for slot in row}
+    spares = [slot for slot in range(S) if slot not in taken]
+    used = set()
+    cur = torch.tensor(src)
+    ys = []
+    for k in range(K):
+        # A token that writes nothing must still hand its state to the next single
+        # step: give it a spare slot.
+        dst_k = torch.tensor([row[k] for row in dst])
+        spare = list(spares)
+        for t in range(T):
+            if src[t] == mt.PAD:
+                dst_k[t] = mt.PAD
+            elif dst_k[t] == mt.PAD:
+                dst_k[t] = spare.pop()
+                used.add(int(dst_k[t]))
+        ys.append(torch.ops.ssd.decode_step(pool, d["x"][:, k], d["dt"][:, k], d["A"], d["B"][:, k], d["C"][:, k],
+                                            d["D"], d["z"][:, k], d["dt_bias"], True, cur, dst_k, mt.PAD))
+        cur = dst_k
+    return torch.stack(ys, 1), pool, used
+
+
+@pytest.mark.parametrize("per_head", (False, True), ids=("A_full", "A_broadcast"))
+@pytest.mark.parametrize("pattern", ("per_token", "spec_zero", "spec_mixed"))
+@pytest.mark.parametrize("K", (1, 2, 4, 8, TOKENS_PER_BLOCK + 3))
+def test_multi_float32_pool_equals_single_metal_steps_bitwise(multi_on_shim31, K, pattern, per_head):
+    """On a float32 pool (rounding is the identity) one multi-token call gives the bits
+    of K single-token Metal steps: the same walk along N, the same per-chunk
+    arithmetic, the same y reduction order. N = 21: passes of chunks and a tail."""
+    T = 4
+    d = mt.token_operands((T, K), T * K + T + 3, N=21, per_head=per_head, seed=K)
+    d = mt.set_slots(d, pattern, T, K)
+    if per_head:  # A, dt, D, dt_bias with stride 0: the broadcast-A kernels
+        d = apply_layout(d, "broadcast")
+    multi = dict(d, ssm_pool=d["ssm_pool"].clone())  # only the pool is written
+    y_multi = torch.ops.ssd.decode_step_multi(*mt.multi_args(multi))
+    y_single, pool_single, spares = _single_metal_steps(d, T, K)
+    assert _multi_kernels(multi_on_shim31) == {f"ssd_decode_step_multi_f32_f32_vec_{'a1' if per_head else 'an'}"}
+    assert torch.equal(y_multi, y_single)
+    for slot in range(d["ssm_pool"].shape[0]):
+        if slot not in spares:
+            assert torch.equal(multi["ssm_pool"][slot], pool_single[slot]), f"slot {slot}"
+
+
+@pytest.mark.parametrize("layout", mt.LAYOUTS)
+@pytest.mark.parametrize("n", (5, 16, 35))
+def test_multi_layout_never_changes_the_answer(multi_on_shim31, layout, n):
+    """Transposed operands, a pool strided along N or sliced along S, offsets, stride-0
+    per-head operands: the same bits as contiguous inputs."""
+    mt.test_layout_never_changes_the_answer("cpu", layout, n)
+    last = [call[0] for call in multi_on_shim31.calls if call[0].startswith("ssd_decode_step_multi")][-1]
+    assert ("_strided_" in last) == (layout in ("transposed", "pool_n_stride")), last
+    assert last.endswith("_a1" if layout == "broadcast" else "_an"), last
+
+
+@pytest.mark.parametrize("layout", ("transposed", "offset", "broadcast"))
+def test_multi_varlen_layout_never_changes_the_answer(multi_on_shim31, layout):
+    mt.test_varlen_layout_never_changes_the_answer("cpu", layout)
+
+
+MULTI_CONTRACT = [
+    ("test_fixed_low_precision_inputs", dict(dtype=torch.bfloat16)),
+    ("test_fixed_low_precision_inputs", dict(dtype=torch.float16)),
+    ("test_one_rounding_per_written_state", {}),
+    ("test_varlen_equals_fixed_bitwise", dict(pattern="final_in_place")),
+    ("test_varlen_equals_fixed_bitwise", dict(pattern="per_token")),
+    ("test_varlen_equals_fixed_bitwise", dict(pattern="spec_mixed")),
+    ("test_int32_indices_give_the_same_bits", {}),
+    ("test_varlen_empty", {}),
+    ("test_fixed_empty", {}),
+    ("test_empty_dimensions", dict(dim="N")),
+    ("test_empty_dimensions", dict(dim="P")),
+    ("test_empty_dimensions", dict(dim="H")),
+    ("test_write_state_false_computes_the_same_y", {}),
+    ("test_next_step_resumes_from_the_accepted_token", {}),
+    ("test_duplicate_destinations_last_write_wins", dict(unchecked_mode=None)),
+    ("test_out_of_range_and_bad_accepted_are_pad_rows", dict(unchecked_mode=None)),
+    ("test_non_default_pad_slot_id", {}),
+    ("test_python_api_per_head", {}),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", MULTI_CONTRACT,
+                         ids=["-".join([name[len("test_"):], *map(str, kwargs.values())]).replace("torch.", "")
+                              for name, kwargs in MULTI_CONTRACT])
+def test_multi_token_contract_on_metal_source(multi_on_shim31, name, kwargs):
+    """tests/test_multi_token.py's contract tests, with torch.ops.ssd on the Metal kernels."""
+    getattr(mt, name)("cpu", **kwargs)
+
+
+@pytest.mark.parametrize("K", (4, TOKENS_PER_BLOCK + 3))
+def test_multi_metal_versions_and_thread_orders_agree(shim_libraries, monkeypatch, K):
+    """bfloat16 pool and rows through native bfloat (Metal 3.1) and raw bits (3.0),
+    threads in either order, duplicate destinations included: the same bits, and
+    those match the reference."""
+    T = 4
+    d = mt.token_operands((T, K), T * K + T + 3, pool_dtype=torch.bfloat16, dtype=torch.bfloat16, seed=K)
+    d = mt.set_slots(d, "spec_mixed", T, K)
+    d["num_accepted_tokens"][3] = 1  # row 3 reads column 0 and is live
+    d["dst_slot_idx"] = d["slot_idx"].clone()
+    d["dst_slot_idx"][3, 0] = d["dst_slot_idx"][1, 1]  # rows 1 and 3 write one slot: row 3 wins
+    results = []
+    for version in METAL_VERSIONS:
+        for reverse in (False, True):
+            lib = shim_libraries[version]
+            lib.reverse = reverse
+            _serve_ops(lib, monkeypatch)
+            run = mt.clone(d)
+            results.append((torch.ops.ssd.decode_step_multi(*mt.multi_args(run)), run["ssm_pool"]))
+            lib.reverse = False
+    y0, pool0 = results[0]
+    for y, pool in results[1:]:
+        assert torch.equal(y, y0) and torch.equal(pool, pool0)
+    run = mt.clone(d)
+    run["ssm_pool"] = pool0
+    writes = mt.check_fixed_against_reference(run, y0, d["ssm_pool"])
+    assert writes[int(d["dst_slot_idx"][1, 1])] == (3, 0)
+
+
+def test_multi_varlen_malformed_bounds_give_no_tokens(multi_on_shim31):
+    """Unchecked, a row whose bounds are not 0 <= bos <= eos <= L has no tokens: it reads
+    and writes nothing, and tokens no row owns get y = 0 (csrc/step.h multi_row_tokens)."""
+    L, W = 6, 4
+    d = mt.token_operands((L,), 24)
+    d["cu_seqlens"] = torch.tensor([-1, 2, 4, 6, 99, 3], dtype=torch.int32)  # rows 1 and 2 are well formed
+    d["slot_idx"] = torch.arange(20).view(5, W)
+    d["num_accepted_tokens"] = torch.tensor([1, 2, 0, 4, 3])
+    before = d["ssm_pool"].clone()
+    y = torch.ops.ssd.decode_step_varlen(*mt.varlen_args(d))
+    writes = _check_varlen(d, y, before)
+    assert torch.equal(y[:2], torch.zeros_like(y[:2]))
+    assert sorted(writes) == [4, 5, 8, 9]
+
+
+def test_multi_mixed_row_dtypes_widen_exactly(multi_on_shim31):
+    """B, C and a per-element A of different dtypes are widened to float32 first: the
+    bits of passing float32 copies."""
+    T, K = 3, 4
+    d = mt.set_slots(mt.token_operands((T, K), 20, pool_dtype=torch.bfloat16), "spec_mixed", T, K)
+    d["B"], d["C"] = d["B"].to(torch.bfloat16), d["C"].to(torch.float16)
+    as_f32 = mt.clone(d)
+    as_f32["B"], as_f32["C"] = d["B"].float(), d["C"].float()
+    mixed = mt.clone(d)
+    y_mixed = torch.ops.ssd.decode_step_multi(*mt.multi_args(mixed))
+    assert _multi_kernels(multi_on_shim31) == {"ssd_decode_step_multi_bf16_f32_vec_an"}
+    y_f32 = torch.ops.ssd.decode_step_multi(*mt.multi_args(as_f32))
+    assert torch.equal(y_mixed, y_f32) and torch.equal(mixed["ssm_pool"], as_f32["ssm_pool"])
+    mt.check_fixed_against_reference(mixed, y_mixed, d["ssm_pool"])
+
+
+def test_multi_bad_input_raises_like_cpu_and_launches_nothing(shim31):
+    """Every bad-input case of the contract tests: the CPU backend's exact message,
+    nothing launched, the pool unchanged. Then checked mode's slot checks."""
+    cases = [("fixed", case) for case in mt.BAD_FIXED] + [("varlen", case) for case in mt.BAD_VARLEN]
+    for form, (case_id, name, edit) in cases:
+        d = mt._bad_base() if form == "fixed" else dict(mt.varlen_inputs(mt.VARLEN_CASES["per_token"]))
+        if form == "varlen":
+            d["out"] = torch.zeros_like(d["x"])
+        edit(d)
+        before = d["ssm_pool"].clone()
+        args = mt.multi_args(d) if form == "fixed" else mt.varlen_args(d)
+        op = "decode_step_multi_out" if form == "fixed" else "decode_step_varlen_out"
+        with pytest.raises(RuntimeError) as cpu_error:
+            getattr(torch.ops.ssd, op)(*args, d["out"])
+        with pytest.raises(RuntimeError) as mps_error:
+            getattr(mps, op)(*args, d["out"], lib=shim31)
+        assert str(mps_error.value) == str(cpu_error.value), case_id
+        assert f"'{name}'" in str(mps_error.value), case_id
+        assert torch.equal(d["ssm_pool"], before) and not shim31.calls, case_id
+
+    torch_ssd.set_checks(True)
+    for case_id, edit, form, text in mt.CHECKED_CASES:
+        d = mt._spec_case()
+        edit(d)
+        before = d["ssm_pool"].clone()
+        if form == "fixed":
+            call = functools.partial(mps.decode_step_multi, *mt.multi_args(d), lib=shim31)
+        else:
+            v = mt.varlen_from_fixed(d)
+            v["cu_seqlens"] = d.get("cu_seqlens", v["cu_seqlens"])
+            call = functools.partial(mps.decode_step_varlen, *mt.varlen_args(v), lib=shim31)
+        with pytest.raises(RuntimeError, match=text):
+            call()
+        assert torch.equal(d["ssm_pool"], before) and not shim31.calls, case_id

@@ -17,6 +17,7 @@ Metal source executed on the CPU.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 import metal_parse
+import test_multi_token as mt
 from conftest import LAYOUTS, apply_layout, make_inputs, step_args
 from torch_ssd import mps
 
@@ -220,6 +222,8 @@ def check_step_launches(lib: RecordingLibrary, inputs: dict, y: torch.Tensor) ->
         ("ssd_load_state", "LoadStateArgs", mps.LOAD_STATE_FIELDS, mps.LOAD_STATE_BUFFERS),
         ("ssd_widen_rows", "WidenRowsArgs", mps.WIDEN_ROWS_FIELDS, mps.WIDEN_ROWS_BUFFERS),
         ("ssd_store_state", "StoreStateArgs", mps.STORE_STATE_FIELDS, mps.STORE_STATE_BUFFERS),
+        ("ssd_multi_plan", "MultiPlanArgs", mps.MULTI_PLAN_FIELDS, mps.MULTI_PLAN_BUFFERS),
+        ("ssd_decode_step_multi", "MultiStepArgs", mps.MULTI_STEP_FIELDS, mps.MULTI_STEP_BUFFERS),
     ],
 )
 def test_argument_layouts_match_the_metal_source(function, struct, fields, buffers):
@@ -229,25 +233,31 @@ def test_argument_layouts_match_the_metal_source(function, struct, fields, buffe
     assert params[:-1] == list(buffers[:-1]) and buffers[-1] == "args"
 
 
+def test_multi_plan_record_head_matches_the_metal_source():
+    """The host sizes the plan buffer with MULTI_PLAN_HEAD; the kernels index it with kPlanHead."""
+    assert int(re.search(r"kPlanHead = (\d+)", SOURCE)[1]) == mps.MULTI_PLAN_HEAD
+
+
 def test_source_is_ascii():
     """compile_shader hands the source to Metal as an ASCII string."""
     SOURCE.encode("ascii")
 
 
 def test_every_host_name_is_instantiated():
-    names = {mps.step_kernel_name(p, r, u, a) for p in FLOATS for r in FLOATS for u in (True, False)
-             for a in (True, False)}
+    names = {mps.step_kernel_name(p, r, u, a, m) for p in FLOATS for r in FLOATS for u in (True, False)
+             for a in (True, False) for m in (False, True)}
     for dtype in FLOATS:
         for layout in ("vec", "strided"):
             names |= {f"ssd_{op}_{IDS[dtype]}_{layout}" for op in ("load_state", "widen_rows", "store_state")}
-    names.add("ssd_row_plan")
+    names |= {"ssd_row_plan", "ssd_multi_plan"}
     assert names == set(KERNELS)
     # The host name says what the instantiation is.
     for name, fn in KERNELS.items():
         function, template = metal_parse.instantiation(fn)
-        if function == "ssd_decode_step":
+        if function in ("ssd_decode_step", "ssd_decode_step_multi"):
             pool, row, unit, a_per_n = template
-            expected = mps.step_kernel_name(METAL_DTYPES[pool], METAL_DTYPES[row], unit == "true", a_per_n == "true")
+            expected = mps.step_kernel_name(METAL_DTYPES[pool], METAL_DTYPES[row], unit == "true", a_per_n == "true",
+                                            function == "ssd_decode_step_multi")
             assert name == expected, (name, fn)
         elif template:
             elem, unit = template
@@ -458,6 +468,237 @@ def test_store_state_marshalling(pool_dtype, layout, with_idx):
 
 
 # ---------------------------------------------------------------------------
+# The multi-token ops
+# ---------------------------------------------------------------------------
+
+
+def token_view(launch: Launch, name: str, shape, varlen: bool) -> torch.Tensor:
+    """A token-indexed operand as the multi-token kernel reads it: strides at a row's
+    token 0 plus the stride from one token to the next."""
+    st, tok = launch.args[f"{name}_stride"], launch.args[f"{name}_tok"]
+    if varlen:
+        assert tok == st[0], f"{name}: on the flat axis a token is a row, got tok {tok} and strides {st}"
+        return gather(launch.buffers[name], shape, st)
+    return gather(launch.buffers[name], shape, (st[0], tok, st[1], st[2]))
+
+
+def check_multi_launches(lib: RecordingLibrary, d: dict, y: torch.Tensor) -> Launch:
+    """Everything the plan and step launches of a multi-token call tell the kernels."""
+    varlen = "cu_seqlens" in d
+    pool, x, A, B, C = (d[k] for k in ("ssm_pool", "x", "A", "B", "C"))
+    S, H, P, N = pool.shape
+    T = d["cu_seqlens"].shape[0] - 1 if varlen else x.shape[0]
+    G = B.shape[-2]
+    assert [launch.name for launch in lib.launches[:1]] == ["ssd_multi_plan"] and len(lib.launches) == 2
+    plan, step = lib.launches
+
+    # The plan: one thread per row, reading the index tensors with their own strides.
+    a = plan.args
+    assert (a["T"], a["S"], a["pad_slot_id"], a["write_state"]) == (T, S, d["pad_slot_id"], int(d["write_state"]))
+    assert a["has_cu_seqlens"] == int(varlen)
+    if varlen:
+        cu = d["cu_seqlens"]
+        assert a["L"] == x.shape[0] and plan.buffers["cu_seqlens"].dtype == cu.dtype
+        assert a["cu_is_int64"] == int(cu.dtype == torch.int64)
+        assert torch.equal(gather(plan.buffers["cu_seqlens"], cu.shape, (a["cu_stride"],)), cu)
+    else:
+        assert a["K"] == x.shape[1]
+    dst_table = d["dst_slot_idx"] if d["dst_slot_idx"] is not None else d["slot_idx"]
+    for which, table in (("src", d["slot_idx"]), ("dst", dst_table)):
+        assert a[f"has_{which}"] == int(table is not None), which
+        if table is None:
+            continue
+        buffer = plan.buffers[f"{which}_idx"]
+        assert buffer.dtype == table.dtype == (torch.int64 if a[f"{which}_is_int64"] else torch.int32)
+        as_2d = table if table.dim() == 2 else table[:, None]
+        assert a[f"{which}_cols"] == as_2d.shape[1]
+        read = gather(buffer, as_2d.shape, (a[f"{which}_row_stride"], a[f"{which}_col_stride"]))
+        assert torch.equal(read, as_2d), which
+    per_token = dst_table is not None and dst_table.dim() == 2
+    assert a["dst_per_token"] == int(per_token)
+    assert a["plan_dst_cols"] == (dst_table.shape[1] if per_token else 1)
+    accepted = d["num_accepted_tokens"]
+    assert a["has_accepted"] == int(accepted is not None)
+    if accepted is not None:
+        assert plan.buffers["accepted"].dtype == accepted.dtype
+        assert a["accepted_is_int64"] == int(accepted.dtype == torch.int64)
+        assert torch.equal(gather(plan.buffers["accepted"], accepted.shape, (a["accepted_stride"],)), accepted)
+    records = plan.buffers["plan"]
+    assert records.dtype == torch.int64 and records.numel() == T * (mps.MULTI_PLAN_HEAD + a["plan_dst_cols"])
+    assert_grid(plan, [T])
+
+    # The step: the plan it reads, the pool, every operand through its strides.
+    assert step.function == "ssd_decode_step_multi"
+    s = step.args
+    pool_t, row_t, unit, a_per_n = step.template
+    pool_t, row_t, unit, a_per_n = METAL_DTYPES[pool_t], METAL_DTYPES[row_t], unit == "true", a_per_n == "true"
+    assert (s["S"], s["T"], s["H"], s["P"], s["N"], s["heads_per_group"]) == (S, T, H, P, N, H // G)
+    assert (s["plan_dst_cols"], s["dst_per_token"]) == (a["plan_dst_cols"], a["dst_per_token"])
+    assert step.buffers["plan"].data_ptr() == records.data_ptr()
+    assert_grid(step, [P, H, T])
+    assert pool_t == pool.dtype
+    assert_operand(step, "pool", pool, "pool_stride", pool.dtype)
+    assert gather(step.buffers["pool"], pool.shape, s["pool_stride"]).data_ptr() == pool.data_ptr()
+    view = token_view(step, "y", y.shape, varlen)
+    assert view.data_ptr() == y.data_ptr() and view.stride() == y.stride()
+    assert step.buffers["y"].dtype == x.dtype and CODES[s["y_dtype"]] == x.dtype
+
+    for name in ("x", "dt", "z"):
+        t = d[name]
+        if name == "z":
+            assert s["has_z"] == int(t is not None)
+            if t is None:
+                continue
+        assert CODES[s[f"{name}_dtype"]] == t.dtype and step.buffers[name].dtype == t.dtype, name
+        assert torch.equal(token_view(step, name, t.shape, varlen).float(), t.float()), name
+    for name in ("D", "dt_bias"):
+        t = d[name]
+        assert s[f"has_{name}"] == int(t is not None)
+        if t is not None:
+            assert CODES[s[f"{name}_dtype"]] == t.dtype
+            assert_operand(step, name, t, f"{name}_stride", t.dtype)
+    assert s["dt_softplus"] == int(d["dt_softplus"])
+
+    rows = [B, C] + ([A] if a_per_n else [])
+    assert row_t == (rows[0].dtype if len({t.dtype for t in rows}) == 1 else torch.float32)
+    for name, t in (("B", B), ("C", C)):
+        assert step.buffers[name].dtype == row_t
+        assert torch.equal(token_view(step, name, t.shape, varlen).float(), t.float()), name
+    assert a_per_n == (N > 1 and A.stride(2) != 0)
+    if a_per_n:
+        assert_operand(step, "A", A, "A_stride", row_t)
+    else:
+        assert CODES[s["A_dtype"]] == A.dtype
+        assert_operand(step, "A", A[..., :1], "A_stride", A.dtype)
+    row_strides = [s["pool_stride"][-1], s["B_stride"][-1], s["C_stride"][-1]]
+    row_strides += [s["A_stride"][-1]] if a_per_n else []
+    assert unit == (N <= 1 or all(v == 1 for v in row_strides)), (step.name, row_strides)
+    return step
+
+
+def multi_case(form: str, pattern: str = "spec_mixed", per_head: bool = False, T: int = 4, K: int = 3, **kw):
+    d = mt.set_slots(mt.token_operands((T, K), T * K + T + 3, per_head=per_head, **kw), pattern, T, K)
+    return mt.varlen_from_fixed(d) if form == "varlen" else d
+
+
+def run_multi(d: dict, lib, out: torch.Tensor | None = None):
+    if "cu_seqlens" in d:
+        if out is None:
+            return mps.decode_step_varlen(*mt.varlen_args(d), lib=lib)
+        return mps.decode_step_varlen_out(*mt.varlen_args(d), out, lib=lib)
+    if out is None:
+        return mps.decode_step_multi(*mt.multi_args(d), lib=lib)
+    return mps.decode_step_multi_out(*mt.multi_args(d), out, lib=lib)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("form", ("fixed", "varlen"))
+def test_multi_marshalling(form, layout):
+    """A (T, K) table with num_accepted_tokens, pad rows and pad destinations, in every
+    layout (cu_seqlens and the tables included)."""
+    d = apply_layout(multi_case(form, per_head=True, pool_dtype=torch.bfloat16, dtype=torch.float16), layout)
+    lib = RecordingLibrary()
+    y = run_multi(d, lib)
+    assert y.shape == d["x"].shape and y.dtype == d["x"].dtype and y.is_contiguous()
+    step = check_multi_launches(lib, d, y)
+    expected_layout = "strided" if layout in ("transposed", "pool_n_stride") else "vec"
+    expected_a = "a1" if layout == "broadcast" else "an"
+    assert step.name == f"ssd_decode_step_multi_bf16_f16_{expected_layout}_{expected_a}"
+
+
+@pytest.mark.parametrize("form", ("fixed", "varlen"))
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(pattern="final_in_place", idx_dtype=torch.int32),
+        dict(pattern="final_to_dst"),
+        dict(pattern="per_token", idx_dtype=torch.int32),
+        dict(pattern="spec_zero"),
+        dict(pattern="no_write"),
+        dict(pattern=None),
+        dict(options=dict(D=None, z=None, dt_bias=None, dt_softplus=False)),
+        dict(options=dict(pad_slot_id=5)),
+        dict(dtypes={"x": torch.float16, "dt": torch.bfloat16, "z": torch.bfloat16, "D": torch.float32,
+                     "dt_bias": torch.float16}),
+        dict(dtypes={"B": torch.bfloat16, "C": torch.float16}),
+    ],
+    ids=["final_in_place-int32", "final_to_dst", "per_token-int32", "spec_zero", "no_write", "no_slots",
+         "bare", "pad_id_5", "mixed_scalars", "mixed_rows"],
+)
+def test_multi_marshalling_options(form, case):
+    pattern = case.get("pattern", "spec_mixed")
+    d = mt.token_operands((4, 3), 20)
+    if pattern is not None:
+        d = mt.set_slots(d, pattern, 4, 3, idx_dtype=case.get("idx_dtype", torch.int64))
+    if form == "varlen":
+        d = mt.varlen_from_fixed(d)
+    d.update(case.get("options", {}))
+    for name, dtype in case.get("dtypes", {}).items():
+        d[name] = d[name].to(dtype)
+    lib = RecordingLibrary()
+    y = run_multi(d, lib)
+    check_multi_launches(lib, d, y)
+
+
+@pytest.mark.parametrize("form", ("fixed", "varlen"))
+def test_multi_out_binds_out_with_its_strides(form):
+    d = multi_case(form, pool_dtype=torch.float16, dtype=torch.bfloat16)
+    shape = tuple(d["x"].shape)
+    # Reversed storage order, stride 2 along the last dim, storage offset 1; NaN shows
+    # what is not written.
+    out = torch.full((*shape[::-1], 2), float("nan"), dtype=torch.bfloat16)[..., 1]
+    out = out.permute(*reversed(range(len(shape))))
+    assert out.shape == shape and out.storage_offset() == 1
+    lib = RecordingLibrary()
+    assert run_multi(d, lib, out) is None
+    check_multi_launches(lib, d, out)
+    if form == "varlen":  # cleared first: tokens that no row owns get y = 0
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_multi_functional_varlen_y_starts_at_zero():
+    d = multi_case("varlen")
+    d["cu_seqlens"] = torch.tensor([0, 2, 2, 5, 7])  # tokens 7.. belong to no row
+    lib = RecordingLibrary()
+    y = run_multi(d, lib)  # the recording stand-in writes nothing
+    assert torch.equal(y, torch.zeros_like(y))
+    check_multi_launches(lib, d, y)
+
+
+def test_multi_empty_launches_nothing():
+    no_tokens = dict(mt.token_operands((0,), 5), cu_seqlens=torch.tensor([0, 0, 0]))  # L = 0
+    for d in (multi_case("fixed", "final_in_place", T=0), multi_case("fixed", "final_in_place", K=0), no_tokens):
+        lib = RecordingLibrary()
+        y = run_multi(d, lib)
+        assert y.shape == d["x"].shape and not lib.launches
+
+
+def test_multi_threadgroups_respect_the_pipeline_limit():
+    d = multi_case("fixed", T=5, P=40)
+    for limit in (1024, 64, 24, 1):
+        lib = RecordingLibrary(max_threads=limit)
+        y = run_multi(d, lib)
+        plan, step = lib.launches
+        assert_grid(plan, [5], limit)
+        assert_grid(step, [40, mt.H, 5], limit)
+        assert step.buffers["y"].data_ptr() == y.data_ptr()
+
+
+def test_multi_errors_come_from_the_shared_checks():
+    for form, op in (("fixed", "decode_step_multi"), ("varlen", "decode_step_varlen")):
+        d = multi_case(form)
+        for name, bad in (("B", d["B"][..., :4]), ("num_accepted_tokens", d["num_accepted_tokens"][:2])):
+            args = dict(d, **{name: bad})
+            lib = RecordingLibrary()
+            with pytest.raises(RuntimeError) as mps_error:
+                run_multi(args, lib)
+            with pytest.raises(RuntimeError) as cpu_error:
+                getattr(torch.ops.ssd, op)(*(mt.varlen_args(args) if form == "varlen" else mt.multi_args(args)))
+            assert str(mps_error.value) == str(cpu_error.value) and f"'{name}'" in str(mps_error.value)
+            assert not lib.launches
+
+
+# ---------------------------------------------------------------------------
 # Finding the source, and registration
 # ---------------------------------------------------------------------------
 
@@ -479,11 +720,12 @@ def test_metal_source_found_in_checkout_and_in_built_package(tmp_path, monkeypat
 
 
 def test_registration_only_where_mps_exists():
-    """On this machine import torch_ssd registers nothing for MPS; register() adds all five."""
+    """On this machine import torch_ssd registers nothing for MPS; register() adds all nine."""
     code = (
         "import torch, torch_ssd\n"
         "from torch_ssd import mps\n"
-        "ops = ['load_state', 'load_bc', 'store_state', 'decode_step', 'decode_step_out']\n"
+        "ops = ['load_state', 'load_bc', 'store_state', 'decode_step', 'decode_step_out', 'decode_step_multi',\n"
+        "       'decode_step_multi_out', 'decode_step_varlen', 'decode_step_varlen_out']\n"
         "has = lambda: [torch._C._dispatch_has_kernel_for_dispatch_key('ssd::' + o, 'MPS') for o in ops]\n"
         "print(torch.backends.mps.is_available(), has())\n"
         "mps.register(); mps.register()\n"
@@ -494,8 +736,8 @@ def test_registration_only_where_mps_exists():
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.strip().splitlines()
     if first.startswith("False"):
-        assert first == "False [False, False, False, False, False]"
-    assert second == "[True, True, True, True, True]"
+        assert first == "False " + str([False] * 9)
+    assert second == str([True] * 9)
 
 
 def test_library_needs_compile_shader(monkeypatch):

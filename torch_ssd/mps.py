@@ -3,7 +3,8 @@
 The kernels live in ``csrc/metal/*.metal`` (shipped inside the package as
 ``torch_ssd/metal/*.metal`` by setup.py). They are compiled on first use with
 ``torch.mps.compile_shader`` (torch >= 2.7) and registered for the MPS dispatch key
-of ``torch.ops.ssd.{load_state, load_bc, store_state, decode_step, decode_step_out}``.
+of ``torch.ops.ssd.{load_state, load_bc, store_state, decode_step, decode_step_out}``
+and of the multi-token ops ``decode_step_multi(_out)`` / ``decode_step_varlen(_out)``.
 ``import torch_ssd`` imports this module only where MPS is available; elsewhere the
 module can still be imported (the tests drive the marshalling below with a stand-in
 for the compiled library, and run the Metal source on the CPU).
@@ -22,7 +23,10 @@ per element along N or broadcast (``an`` / ``a1``). When B, C and a per-element 
 not share one dtype they are widened to float32 first (exact, so no result changes).
 Slot bookkeeping (pad rows, slots outside the pool, the last writer of a duplicated
 destination) is one small ``ssd_row_plan`` launch over the T rows whenever slot
-indices are given; the step kernel then reads two int64 per row.
+indices are given; the step kernel then reads two int64 per row. The multi-token ops
+always start with ``ssd_multi_plan`` (one thread per row: its tokens, its source slot,
+the slot each token writes), then run ``ssd_decode_step_multi_*``, named like the
+single-step kernels.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ __all__ = [
     "load_state",
     "load_bc",
     "store_state",
+    "decode_step_multi",
+    "decode_step_multi_out",
+    "decode_step_varlen",
+    "decode_step_varlen_out",
 ]
 
 METAL_FILES = ("dstate_io.metal", "ssd_kernels.metal")  # concatenated in this order
@@ -78,6 +86,27 @@ STORE_STATE_FIELDS = (
     ("S", 1), ("T", 1), ("H", 1), ("P", 1), ("N", 1), ("pool_stride", 4), ("state_stride", 4),
     ("has_plan", 1),
 )
+MULTI_PLAN_FIELDS = (
+    ("T", 1), ("S", 1), ("pad_slot_id", 1), ("K", 1), ("L", 1),
+    ("has_cu_seqlens", 1), ("cu_is_int64", 1), ("cu_stride", 1),
+    ("has_src", 1), ("src_is_int64", 1), ("src_row_stride", 1), ("src_col_stride", 1), ("src_cols", 1),
+    ("has_dst", 1), ("dst_is_int64", 1), ("dst_row_stride", 1), ("dst_col_stride", 1), ("dst_cols", 1),
+    ("dst_per_token", 1),
+    ("has_accepted", 1), ("accepted_is_int64", 1), ("accepted_stride", 1),
+    ("write_state", 1), ("plan_dst_cols", 1),
+)
+MULTI_STEP_FIELDS = (
+    ("S", 1), ("T", 1), ("H", 1), ("P", 1), ("N", 1), ("heads_per_group", 1),
+    ("plan_dst_cols", 1), ("dst_per_token", 1),
+    ("pool_stride", 4), ("x_stride", 3), ("dt_stride", 3), ("A_stride", 3), ("B_stride", 3),
+    ("C_stride", 3), ("D_stride", 2), ("z_stride", 3), ("dt_bias_stride", 2), ("y_stride", 3),
+    ("x_tok", 1), ("dt_tok", 1), ("B_tok", 1), ("C_tok", 1), ("z_tok", 1), ("y_tok", 1),
+    ("x_dtype", 1), ("dt_dtype", 1), ("A_dtype", 1), ("D_dtype", 1), ("z_dtype", 1),
+    ("dt_bias_dtype", 1), ("y_dtype", 1),
+    ("has_D", 1), ("has_z", 1), ("has_dt_bias", 1), ("dt_softplus", 1),
+)
+# Int64 per row of the multi-token plan before its written slots: first token, count, source.
+MULTI_PLAN_HEAD = 3
 
 # Buffer order of each kernel family (buffer i = argument i of the kernel call).
 PLAN_BUFFERS = ("src_idx", "dst_idx", "plan", "args")
@@ -85,6 +114,8 @@ STEP_BUFFERS = ("pool", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "plan", "
 LOAD_STATE_BUFFERS = ("pool", "slot_idx", "out", "args")
 WIDEN_ROWS_BUFFERS = ("src", "out", "args")
 STORE_STATE_BUFFERS = ("state", "pool", "plan", "args")
+MULTI_PLAN_BUFFERS = ("cu_seqlens", "src_idx", "dst_idx", "accepted", "plan", "args")
+MULTI_STEP_BUFFERS = STEP_BUFFERS
 
 # Threads per threadgroup we aim for (capped by the pipeline's own limit).
 THREADGROUP_TARGET = 256
@@ -209,9 +240,26 @@ def _slot_plan(lib, S: int, T: int, src_idx: Tensor | None, dst_idx: Tensor | No
     return plan
 
 
-def step_kernel_name(pool_dtype: torch.dtype, row_dtype: torch.dtype, unit: bool, a_per_n: bool) -> str:
-    return (f"ssd_decode_step_{DTYPE_TAG[pool_dtype]}_{DTYPE_TAG[row_dtype]}_{_layout_tag(unit)}_"
-            f"{'an' if a_per_n else 'a1'}")
+def step_kernel_name(pool_dtype: torch.dtype, row_dtype: torch.dtype, unit: bool, a_per_n: bool,
+                     multi: bool = False) -> str:
+    """ssd_decode_step[_multi]_<pool>_<row>_<vec|strided>_<an|a1>."""
+    return (f"ssd_decode_step{'_multi' if multi else ''}_{DTYPE_TAG[pool_dtype]}_{DTYPE_TAG[row_dtype]}_"
+            f"{_layout_tag(unit)}_{'an' if a_per_n else 'a1'}")
+
+
+def _row_operands(ssm_pool: Tensor, A: Tensor, B: Tensor, C: Tensor, N: int):
+    """The N-axis rows for one kernel: (A, B, C, unit, a_per_n). B, C and a per-element
+    A share one compile-time row type, so mixed dtypes are widened (exactly) to float32;
+    ``unit`` when every N-axis row has unit stride."""
+    a_per_n = N > 1 and A.stride(-1) != 0
+    rows = [B, C] + ([A] if a_per_n else [])
+    if len({t.dtype for t in rows}) > 1:
+        B, C = B.float(), C.float()
+        if a_per_n:
+            A = A.float()
+    unit = N <= 1 or (ssm_pool.stride(3) == 1 and B.stride(-1) == 1 and C.stride(-1) == 1
+                      and (not a_per_n or A.stride(-1) == 1))
+    return A, B, C, unit, a_per_n
 
 
 # ---------------------------------------------------------------------------
@@ -224,14 +272,7 @@ def _step_into(lib, dims, ssm_pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, 
     S, T, H, P, N, G = (int(v) for v in dims)
     if T == 0 or H == 0 or P == 0:
         return
-    a_per_n = N > 1 and A.stride(2) != 0
-    rows = [B, C] + ([A] if a_per_n else [])
-    if len({t.dtype for t in rows}) > 1:  # one row type per kernel: widen (exactly) to float32
-        B, C = B.float(), C.float()
-        if a_per_n:
-            A = A.float()
-    unit = N <= 1 or (ssm_pool.stride(3) == 1 and B.stride(2) == 1 and C.stride(2) == 1
-                      and (not a_per_n or A.stride(2) == 1))
+    A, B, C, unit, a_per_n = _row_operands(ssm_pool, A, B, C, N)
     plan = _slot_plan(lib, S, T, slot_idx, dst_slot_idx, pad_slot_id, True, ssm_pool.device)
     args = pack_args(
         STEP_FIELDS, S=S, T=T, H=H, P=P, N=N, heads_per_group=H // G,
@@ -328,6 +369,149 @@ def store_state(state: Tensor, ssm_pool: Tensor, slot_idx: Tensor | None = None,
 
 
 # ---------------------------------------------------------------------------
+# The multi-token ops (docs/multi_token.md).
+# ---------------------------------------------------------------------------
+
+
+def _table_fields(prefix: str, table: Tensor | None) -> dict:
+    """A slot table, (T,) or (T, W), int32 or int64, any strides, for MULTI_PLAN_FIELDS."""
+    two_d = table is not None and table.dim() == 2
+    return {
+        f"has_{prefix}": table is not None,
+        f"{prefix}_is_int64": table is not None and table.dtype == torch.int64,
+        f"{prefix}_row_stride": table.stride(0) if table is not None else 0,
+        f"{prefix}_col_stride": table.stride(1) if two_d else 0,
+        f"{prefix}_cols": table.shape[1] if two_d else 1,
+    }
+
+
+def _multi_plan(lib, S: int, T: int, K: int, L: int, cu_seqlens: Tensor | None, slot_idx: Tensor | None,
+                dst_slot_idx: Tensor | None, num_accepted_tokens: Tensor | None, pad_slot_id: int,
+                write_state: bool, device) -> tuple[Tensor, int, bool]:
+    """(plan, plan_dst_cols, per_token): T records of MULTI_PLAN_HEAD + plan_dst_cols int64 on
+    the device (csrc/step.h's slot rules evaluated once per row by ssd_multi_plan)."""
+    dst_table = dst_slot_idx if dst_slot_idx is not None else slot_idx
+    per_token = dst_table is not None and dst_table.dim() == 2
+    plan_dst_cols = dst_table.shape[1] if per_token else 1
+    plan = torch.empty(T * (MULTI_PLAN_HEAD + plan_dst_cols), dtype=torch.int64, device=device)
+    args = pack_args(
+        MULTI_PLAN_FIELDS, T=T, S=S, pad_slot_id=pad_slot_id, K=K, L=L,
+        has_cu_seqlens=cu_seqlens is not None,
+        cu_is_int64=cu_seqlens is not None and cu_seqlens.dtype == torch.int64,
+        cu_stride=cu_seqlens.stride(0) if cu_seqlens is not None else 0,
+        **_table_fields("src", slot_idx), **_table_fields("dst", dst_table),
+        dst_per_token=per_token,
+        has_accepted=num_accepted_tokens is not None,
+        accepted_is_int64=num_accepted_tokens is not None and num_accepted_tokens.dtype == torch.int64,
+        accepted_stride=num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
+        write_state=bool(write_state), plan_dst_cols=plan_dst_cols,
+    )
+    buffers = [_bindable(cu_seqlens, plan), _bindable(slot_idx, plan), _bindable(dst_table, plan),
+               _bindable(num_accepted_tokens, plan), plan, args]
+    _launch(lib, "ssd_multi_plan", buffers, [T])
+    return plan, plan_dst_cols, per_token
+
+
+def _token_strides(t: Tensor | None, varlen: bool) -> tuple[list[int], int]:
+    """A token-indexed operand as the kernel reads it: strides at a row's token 0 --
+    (T, K, a, b) without its K dim, or (L, a, b) as is -- and the stride between tokens."""
+    if t is None:
+        return [0, 0, 0], 0
+    st = list(t.stride())
+    return (st, st[0]) if varlen else ([st[0], st[2], st[3]], st[1])
+
+
+def _multi_into(lib, S, T, K, L, H, P, N, G, ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus,
+                slot_idx, dst_slot_idx, pad_slot_id, num_accepted_tokens, write_state, y) -> None:
+    """Both forms: cu_seqlens None is the fixed form (x (T, K, H, P)), else varlen (x (L, H, P))."""
+    varlen = cu_seqlens is not None
+    if T == 0 or H == 0 or P == 0 or (K if not varlen else L) == 0:
+        return
+    A, B, C, unit, a_per_n = _row_operands(ssm_pool, A, B, C, N)
+    plan, plan_dst_cols, per_token = _multi_plan(lib, S, T, K, L, cu_seqlens, slot_idx, dst_slot_idx,
+                                                 num_accepted_tokens, pad_slot_id, write_state, ssm_pool.device)
+    strides = {name: _token_strides(t, varlen) for name, t in
+               (("x", x), ("dt", dt), ("B", B), ("C", C), ("z", z), ("y", y))}
+    args = pack_args(
+        MULTI_STEP_FIELDS, S=S, T=T, H=H, P=P, N=N, heads_per_group=H // G,
+        plan_dst_cols=plan_dst_cols, dst_per_token=per_token,
+        pool_stride=ssm_pool.stride(), A_stride=A.stride(), D_stride=_strides(D, 2),
+        dt_bias_stride=_strides(dt_bias, 2),
+        **{f"{name}_stride": st for name, (st, _) in strides.items()},
+        **{f"{name}_tok": tok for name, (_, tok) in strides.items()},
+        x_dtype=_code(x), dt_dtype=_code(dt), A_dtype=_code(A), D_dtype=_code(D), z_dtype=_code(z),
+        dt_bias_dtype=_code(dt_bias), y_dtype=_code(y),
+        has_D=D is not None, has_z=z is not None, has_dt_bias=dt_bias is not None,
+        dt_softplus=bool(dt_softplus),
+    )
+    buffers = [
+        _bindable(ssm_pool, y), x, dt, _bindable(A, y), _bindable(B, y), _bindable(C, y),
+        _bindable(D, y), _bindable(z, y), _bindable(dt_bias, y), plan, y, args,
+    ]
+    _launch(lib, step_kernel_name(ssm_pool.dtype, B.dtype, unit, a_per_n, multi=True), buffers, [P, H, T])
+
+
+def decode_step_multi(ssm_pool: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                      D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
+                      dt_softplus: bool = False, slot_idx: Tensor | None = None,
+                      dst_slot_idx: Tensor | None = None, pad_slot_id: int = -1,
+                      num_accepted_tokens: Tensor | None = None, write_state: bool = True, *, lib=None) -> Tensor:
+    """ssd.decode_step_multi through the Metal kernels: y (T, K, H, P)."""
+    S, T, K, H, P, N, G = (int(v) for v in _C.check_decode_step_multi(
+        "decode_step_multi", ssm_pool, x, dt, A, B, C, D, z, dt_bias, slot_idx, dst_slot_idx, pad_slot_id,
+        num_accepted_tokens, write_state, None))
+    y = torch.empty((T, K, H, P), dtype=x.dtype, device=ssm_pool.device)  # every token is written
+    _multi_into(lib if lib is not None else library(), S, T, K, 0, H, P, N, G, ssm_pool, x, dt, A, B, C, None,
+                D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx, pad_slot_id, num_accepted_tokens,
+                write_state, y)
+    return y
+
+
+def decode_step_multi_out(ssm_pool: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                          D: Tensor | None, z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
+                          slot_idx: Tensor | None, dst_slot_idx: Tensor | None, pad_slot_id: int,
+                          num_accepted_tokens: Tensor | None, write_state: bool, out: Tensor, *, lib=None) -> None:
+    """ssd.decode_step_multi_out through the Metal kernels: y into ``out`` (any strides)."""
+    S, T, K, H, P, N, G = (int(v) for v in _C.check_decode_step_multi(
+        "decode_step_multi_out", ssm_pool, x, dt, A, B, C, D, z, dt_bias, slot_idx, dst_slot_idx, pad_slot_id,
+        num_accepted_tokens, write_state, out))
+    _multi_into(lib if lib is not None else library(), S, T, K, 0, H, P, N, G, ssm_pool, x, dt, A, B, C, None,
+                D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx, pad_slot_id, num_accepted_tokens,
+                write_state, out)
+
+
+def decode_step_varlen(ssm_pool: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                       cu_seqlens: Tensor, D: Tensor | None = None, z: Tensor | None = None,
+                       dt_bias: Tensor | None = None, dt_softplus: bool = False, slot_idx: Tensor | None = None,
+                       dst_slot_idx: Tensor | None = None, pad_slot_id: int = -1,
+                       num_accepted_tokens: Tensor | None = None, write_state: bool = True, *, lib=None) -> Tensor:
+    """ssd.decode_step_varlen through the Metal kernels: y (L, H, P); tokens no row owns get 0."""
+    S, T, L, H, P, N, G = (int(v) for v in _C.check_decode_step_varlen(
+        "decode_step_varlen", ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, slot_idx, dst_slot_idx,
+        pad_slot_id, num_accepted_tokens, write_state, None))
+    y = torch.zeros((L, H, P), dtype=x.dtype, device=ssm_pool.device)
+    _multi_into(lib if lib is not None else library(), S, T, 0, L, H, P, N, G, ssm_pool, x, dt, A, B, C,
+                cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx, pad_slot_id, num_accepted_tokens,
+                write_state, y)
+    return y
+
+
+def decode_step_varlen_out(ssm_pool: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                           cu_seqlens: Tensor, D: Tensor | None, z: Tensor | None, dt_bias: Tensor | None,
+                           dt_softplus: bool, slot_idx: Tensor | None, dst_slot_idx: Tensor | None,
+                           pad_slot_id: int, num_accepted_tokens: Tensor | None, write_state: bool, out: Tensor,
+                           *, lib=None) -> None:
+    """ssd.decode_step_varlen_out through the Metal kernels: y into ``out`` (cleared first)."""
+    S, T, L, H, P, N, G = (int(v) for v in _C.check_decode_step_varlen(
+        "decode_step_varlen_out", ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, slot_idx, dst_slot_idx,
+        pad_slot_id, num_accepted_tokens, write_state, out))
+    out.zero_()  # tokens that no row owns (a padded tail of the flat axis) get y = 0
+    _multi_into(lib if lib is not None else library(), S, T, 0, L, H, P, N, G, ssm_pool, x, dt, A, B, C,
+                cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx, pad_slot_id, num_accepted_tokens,
+                write_state, out)
+
+
+# ---------------------------------------------------------------------------
 # Registration for the MPS dispatch key.
 # ---------------------------------------------------------------------------
 
@@ -335,7 +519,7 @@ _registration = None
 
 
 def register() -> None:
-    """Register the Metal kernels for MPS (idempotent). Done on import where MPS is available."""
+    """Register the Metal kernels for MPS, all nine ops (idempotent). Done on import where MPS is available."""
     global _registration
     if _registration is not None:
         return
@@ -360,11 +544,37 @@ def register() -> None:
         decode_step_out(ssm_pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
                         pad_slot_id, out)
 
+    def mps_decode_step_multi(ssm_pool, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                              slot_idx=None, dst_slot_idx=None, pad_slot_id=-1, num_accepted_tokens=None,
+                              write_state=True):
+        return decode_step_multi(ssm_pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+                                 pad_slot_id, num_accepted_tokens, write_state)
+
+    def mps_decode_step_multi_out(ssm_pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+                                  pad_slot_id, num_accepted_tokens, write_state, out):
+        decode_step_multi_out(ssm_pool, x, dt, A, B, C, D, z, dt_bias, dt_softplus, slot_idx, dst_slot_idx,
+                              pad_slot_id, num_accepted_tokens, write_state, out)
+
+    def mps_decode_step_varlen(ssm_pool, x, dt, A, B, C, cu_seqlens, D=None, z=None, dt_bias=None,
+                               dt_softplus=False, slot_idx=None, dst_slot_idx=None, pad_slot_id=-1,
+                               num_accepted_tokens=None, write_state=True):
+        return decode_step_varlen(ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx,
+                                  dst_slot_idx, pad_slot_id, num_accepted_tokens, write_state)
+
+    def mps_decode_step_varlen_out(ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx,
+                                   dst_slot_idx, pad_slot_id, num_accepted_tokens, write_state, out):
+        decode_step_varlen_out(ssm_pool, x, dt, A, B, C, cu_seqlens, D, z, dt_bias, dt_softplus, slot_idx,
+                               dst_slot_idx, pad_slot_id, num_accepted_tokens, write_state, out)
+
     impl.impl("load_state", mps_load_state, "MPS")
     impl.impl("load_bc", mps_load_bc, "MPS")
     impl.impl("store_state", mps_store_state, "MPS")
     impl.impl("decode_step", mps_decode_step, "MPS")
     impl.impl("decode_step_out", mps_decode_step_out, "MPS")
+    impl.impl("decode_step_multi", mps_decode_step_multi, "MPS")
+    impl.impl("decode_step_multi_out", mps_decode_step_multi_out, "MPS")
+    impl.impl("decode_step_varlen", mps_decode_step_varlen, "MPS")
+    impl.impl("decode_step_varlen_out", mps_decode_step_varlen_out, "MPS")
     _registration = impl
 
 
