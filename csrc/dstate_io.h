@@ -341,6 +341,15 @@ __device__ __forceinline__ void stage_wait_all() {
 #endif
 }
 
+// Wait until every group but the `kPending` most recent ones has landed (a
+// pipeline: the current stage is ready while later ones are still in flight).
+template <int kPending>
+__device__ __forceinline__ void stage_wait_prior() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
 // Widen a staged chunk.
 template <int VEC, typename T>
 __device__ __forceinline__ void load_staged(const void* smem, float (&r)[VEC]) {

@@ -93,29 +93,73 @@ SSD_HD bool row_writes(const StepParams& s, int64_t t, int64_t dst) {
 
 SSD_HD float softplus(float v) { return v <= 20.0f ? log1pf(expf(v)) : v; }
 
+// The per-channel inputs of one step as loaded (absent operands read as 0 and
+// are never used): what a kernel may fetch early, apart from the arithmetic.
+struct ChannelInputs {
+  float x = 0.0f, dt = 0.0f, dt_bias = 0.0f, D = 0.0f, z = 0.0f;
+};
+
+SSD_HD ChannelInputs load_channel(const StepParams& s, int64_t t, int64_t h, int64_t p) {
+  ChannelInputs in;
+  in.x = s.x.at(t, h, p);
+  in.dt = s.dt.at(t, h, p);
+  if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p);
+  if (s.D.present()) in.D = s.D.at(h, p);
+  if (s.z.present()) in.z = s.z.at(t, h, p);
+  return in;
+}
+
 // dtv = dt (+ dt_bias), then softplus if asked.
-SSD_HD float channel_dt(const StepParams& s, int64_t t, int64_t h, int64_t p) {
-  float v = s.dt.at(t, h, p);
-  if (s.dt_bias.present()) v += s.dt_bias.at(h, p);
+SSD_HD float channel_dt(const StepParams& s, const ChannelInputs& in) {
+  float v = in.dt;
+  if (s.dt_bias.present()) v += in.dt_bias;
   return s.dt_softplus ? softplus(v) : v;
+}
+
+SSD_HD float channel_dt(const StepParams& s, int64_t t, int64_t h, int64_t p) {
+  ChannelInputs in;
+  in.dt = s.dt.at(t, h, p);
+  if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p);
+  return channel_dt(s, in);
 }
 
 // dA = exp(A * dtv): one function for the broadcast and the per-element case, so
 // a stride-0 A gives the same bits as the same values laid out in full.
 SSD_HD float decay(float a, float dtv) { return expf(a * dtv); }
 
-// The recurrence for one element, in float32 registers.
+// The recurrence for one element, in float32 registers. On CUDA the two
+// multiply-adds are explicit fused multiply-adds (the build turns off implicit
+// contraction, so every kernel and layout rounds the same way); the host keeps
+// separate roundings (its build has -ffp-contract=off, and a software fma would be
+// slow on CPUs without FMA).
+#if defined(__CUDA_ARCH__)
+SSD_HD float advance(float state, float dA, float dtx, float b) { return fmaf(state, dA, dtx * b); }
+#else
 SSD_HD float advance(float state, float dA, float dtx, float b) { return state * dA + dtx * b; }
+#endif
+
+// One term of the y sum over N: acc + state * c. Every kernel of a backend uses
+// this (in one fixed order along N) so that all layouts give the same bits.
+#if defined(__CUDA_ARCH__)
+SSD_HD float accumulate_y(float acc, float state, float c) { return fmaf(state, c, acc); }
+#else
+SSD_HD float accumulate_y(float acc, float state, float c) { return acc + state * c; }
+#endif
 
 // y = sum_n(s * C) + D * x, then * silu(z).
-SSD_HD float finish_y(const StepParams& s, float sum, int64_t t, int64_t h, int64_t p, float xv) {
+SSD_HD float finish_y(const StepParams& s, float sum, const ChannelInputs& in) {
   float y = sum;
-  if (s.D.present()) y += s.D.at(h, p) * xv;
-  if (s.z.present()) {
-    const float zv = s.z.at(t, h, p);
-    y *= zv / (1.0f + expf(-zv));
-  }
+  if (s.D.present()) y += in.D * in.x;
+  if (s.z.present()) y *= in.z / (1.0f + expf(-in.z));
   return y;
+}
+
+SSD_HD float finish_y(const StepParams& s, float sum, int64_t t, int64_t h, int64_t p, float xv) {
+  ChannelInputs in;
+  in.x = xv;
+  if (s.D.present()) in.D = s.D.at(h, p);
+  if (s.z.present()) in.z = s.z.at(t, h, p);
+  return finish_y(s, sum, in);
 }
 
 
@@ -197,6 +241,29 @@ SSD_HD int64_t multi_dest_slot(const MultiStepParams& m, int64_t t, int64_t k, i
   return m.dst.present() ? m.dst.at(t, 0) : t;
 }
 
+// The writes of a row, as columns: with a per-token table column i is token i (up
+// to the table's width); otherwise there is one column, the row's last token.
+SSD_HD int64_t multi_write_columns(const MultiStepParams& m) { return m.dst.per_token ? m.dst.cols : 1; }
+
+// The token that writes through column i of a row of n tokens, or -1 (none).
+SSD_HD int64_t multi_column_token(const MultiStepParams& m, int64_t i, int64_t n) {
+  if (m.dst.per_token) return i < n && i < m.dst.cols ? i : -1;
+  return i == 0 && n > 0 ? n - 1 : -1;
+}
+
+// Row u's tokens as they count for the writes seen from row t (a row of `count`
+// tokens whose source the caller has checked): 0 for a row that writes nothing (no
+// tokens, or a pad row).
+SSD_HD int64_t multi_writing_tokens(const MultiStepParams& m, int64_t u, int64_t t, int64_t count) {
+  if (u == t) return count;
+  const RowTokens r = multi_row_tokens(m, u);
+  if (r.count == 0 || !slot_addressable(multi_source_slot(m, u), m.step.S, m.step.pad_slot_id)) return 0;
+  return r.count;
+}
+
+// (row u, token j) comes after (row t, token k) in (row, token) order.
+SSD_HD bool multi_write_after(int64_t u, int64_t j, int64_t t, int64_t k) { return u > t || (u == t && j > k); }
+
 // Whether the write of token k of row t to `slot` happens. Of the writes that
 // share a slot the last one in (row, token) order wins; a pad row writes nothing.
 // The caller has checked that row t's source slot is addressable.
@@ -205,14 +272,13 @@ SSD_HD bool multi_last_writer(const MultiStepParams& m, int64_t t, int64_t k, in
   const StepParams& s = m.step;
   if (!slot_addressable(slot, s.S, s.pad_slot_id)) return false;
   if (!m.dst.present()) return true;  // one write per row, to slot t: no duplicates
+  const int64_t cols = multi_write_columns(m);
   for (int64_t u = t; u < s.T; ++u) {
-    const RowTokens r = u == t ? RowTokens{0, count} : multi_row_tokens(m, u);
-    if (r.count == 0) continue;
-    if (u != t && !slot_addressable(multi_source_slot(m, u), s.S, s.pad_slot_id)) continue;
-    const int64_t begin = u == t ? k + 1 : (m.dst.per_token ? 0 : r.count - 1);
-    const int64_t end = m.dst.per_token && r.count > m.dst.cols ? m.dst.cols : r.count;
-    for (int64_t j = begin; j < end; ++j)
-      if (multi_dest_slot(m, u, j, r.count) == slot) return false;
+    const int64_t n = multi_writing_tokens(m, u, t, count);
+    for (int64_t i = 0; i < cols && i < n; ++i) {
+      const int64_t j = multi_column_token(m, i, n);
+      if (j >= 0 && multi_write_after(u, j, t, k) && multi_dest_slot(m, u, j, n) == slot) return false;
+    }
   }
   return true;
 }

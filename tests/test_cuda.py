@@ -189,8 +189,13 @@ def test_cpu_and_cuda_agree(pool_dtype, layout):
     assert relative_error(y_gpu, y_cpu) <= 2 * y_tolerance(torch.bfloat16)
     pool_cpu, pool_gpu = cpu["ssm_pool"], gpu["ssm_pool"].cpu()
     # Each backend rounds its float32 state once: at most one ulp of the pool dtype
-    # apart, plus a few float32 ulps for the two expf implementations.
-    bound = ulp(pool_cpu.double(), pool_dtype) + 8 * torch.finfo(torch.float32).eps * pool_cpu.double().abs()
+    # apart, plus a few float32 ulps of the terms' size -- the two expf
+    # implementations, and CUDA's fused multiply-adds against the CPU's separate
+    # roundings, which differ most where the decay and input terms cancel (so the
+    # scale is the row's typical magnitude, not the element's).
+    state = pool_cpu.double()
+    scale = state.abs() + state.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    bound = ulp(state, pool_dtype) + 8 * torch.finfo(torch.float32).eps * scale
     assert ((pool_gpu.double() - pool_cpu.double()).abs() <= bound).all()
 
 

@@ -1,14 +1,24 @@
 #!/usr/bin/env python
-"""Sweep the CUDA decode step's launch choices -- staging through shared memory
-(TORCH_SSD_CUDA_STAGE) and the block size (TORCH_SSD_CUDA_WARPS) -- on the
-benchmark's shapes and inputs, against a same-run device-to-device copy. A developer
-tool for choosing the defaults; the benchmark proper is `python -m torch_ssd`.
+"""Sweep the CUDA decode step's launch choices on the benchmark's shapes and inputs,
+against a same-run device-to-device copy, and check that every choice gives the
+same bits. A developer tool for choosing the defaults; the benchmark proper is
+`python -m torch_ssd`.
 
-    python tools/cuda_tune.py [--T 1 16 64 256] [--configs s1w0 s1w4 s0w0]
-    (sSwW: staging on/off, W warps per block, 0 = the heuristic)
+    python tools/cuda_tune.py [--T 1 16 64 256] [--configs block pipe pipe-w8 block-s0-w4]
+
+A config names the kernel and its knobs, joined by '-':
+  block        the one-tile-per-block kernel (TORCH_SSD_CUDA_KERNEL=block)
+    sS         staging through shared memory on/off (TORCH_SSD_CUDA_STAGE)
+    wW         warps per block (TORCH_SSD_CUDA_WARPS)
+  pipe         the pipelined kernel (TORCH_SSD_CUDA_KERNEL=pipe)
+    wW         warps per block (TORCH_SSD_CUDA_PIPE_WARPS)
+    bB         at most B resident blocks per multiprocessor (TORCH_SSD_CUDA_BPSM)
+    nS         S stages of rows in shared memory, 2 or 3 (TORCH_SSD_CUDA_PIPE_STAGES)
+Unset knobs take the defaults.
 
 Prints, per (shape, pool dtype, T), microseconds per step and % of copy bandwidth
-for plain launches, and for T <= 16 also per step under CUDA-graph replay.
+for plain launches, and for T <= 16 also per step under CUDA-graph replay; then
+whether y and the pool matched the first config bit for bit.
 """
 
 from __future__ import annotations
@@ -29,12 +39,33 @@ except ImportError:
 from torch_ssd import bench
 
 
+KNOBS = ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PIPE_WARPS",
+         "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES")
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """'pipe-w8-b2' -> the environment variables it stands for (see the module docstring)."""
+    kernel, *knobs = text.split("-")
+    if kernel not in ("block", "pipe"):
+        raise SystemExit(f"cuda_tune: unknown kernel in config {text!r}")
+    env = {"TORCH_SSD_CUDA_KERNEL": kernel}
+    names = {("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
+             ("pipe", "w"): "TORCH_SSD_CUDA_PIPE_WARPS", ("pipe", "b"): "TORCH_SSD_CUDA_BPSM",
+             ("pipe", "n"): "TORCH_SSD_CUDA_PIPE_STAGES"}
+    for knob in knobs:
+        key = names.get((kernel, knob[:1]))
+        if key is None or not knob[1:].isdigit():
+            raise SystemExit(f"cuda_tune: unknown knob {knob!r} in config {text!r}")
+        env[key] = knob[1:]
+    return env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
     ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--T", nargs="+", type=int, default=[1, 16, 64, 256])
-    ap.add_argument("--configs", nargs="+", default=["s1w0", "s1w4", "s1w8", "s0w0"])
+    ap.add_argument("--configs", nargs="+", default=["block", "pipe", "pipe-w2", "pipe-w8"])
     ap.add_argument("--seconds", type=float, default=0.15)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -42,7 +73,7 @@ def main() -> int:
     cache = bench.last_level_cache_bytes(device)
     copy_Bps = bench.copy_bandwidth(device, max(1 << 30, 16 * cache), timer)
     print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    configs = [(c[1] != "0", int(c.split("w")[1])) for c in args.configs]
+    configs = [parse_config(c) for c in args.configs]
     print(f"{'shape':>14} {'pool':>5} {'T':>4} " + " ".join(f"{c:>22}" for c in args.configs))
     gen = torch.Generator().manual_seed(0)
     for text in args.shapes:
@@ -57,12 +88,22 @@ def main() -> int:
                 nbytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
                 k = len(sets)
                 cells = []
-                for stage, w in configs:
-                    os.environ["TORCH_SSD_CUDA_STAGE"] = "1" if stage else "0"
-                    if w:
-                        os.environ["TORCH_SSD_CUDA_WARPS"] = str(w)
-                    else:
-                        os.environ.pop("TORCH_SSD_CUDA_WARPS", None)
+                reference = None
+                mismatch = []
+                pool0 = probe.pool.clone()  # the timing runs below advance probe.pool: restore it per check
+                for text_cfg, env in zip(args.configs, configs):
+                    for key in KNOBS:
+                        os.environ.pop(key, None)
+                    os.environ.update(env)
+                    # Same inputs for every config: y and the written pool must match bit for bit.
+                    probe.pool.copy_(pool0)
+                    torch.ops.ssd.decode_step_out(*probe.op_args(), probe.out)
+                    got = (probe.out.clone(), probe.pool.clone())
+                    probe.pool.copy_(pool0)
+                    if reference is None:
+                        reference = got
+                    elif not (torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])):
+                        mismatch.append(text_cfg)
                     secs = timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out),
                                       warmup_calls=min(k, 8))
                     cell = f"{secs * 1e6:7.2f}us {100 * nbytes / secs / copy_Bps:5.1f}%"
@@ -70,8 +111,9 @@ def main() -> int:
                         g = bench._graph_time(sets, timer, device)
                         cell += f" g{g * 1e6:.2f}"
                     cells.append(cell)
-                os.environ.pop("TORCH_SSD_CUDA_WARPS", None)
-                os.environ.pop("TORCH_SSD_CUDA_STAGE", None)
+                for key in KNOBS:
+                    os.environ.pop(key, None)
+                cells.append("same bits" if not mismatch else "DIFFERS: " + " ".join(mismatch))
                 print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{c:>22}" for c in cells), flush=True)
                 del sets, probe
                 torch.cuda.empty_cache()

@@ -70,6 +70,22 @@ inline RowMap make_row_map(int64_t n, int vec, int chunks_per_batch = kChunksPer
   return m;
 }
 
+// Chunks per thread in flight in the decode-step kernels, per pool type (measured
+// on an H200, BENCHMARKS.md): float32 rows 8 chunks deep, 16-bit rows -- whose 16
+// bytes hold twice the elements, so twice the arithmetic -- 4 deep. The mapping
+// along N, and so the order of the y sum, follows from this and N alone: every
+// decode-step kernel (single- and multi-token, every layout) must use step_row_map
+// so that they all give the same bits.
+template <typename PoolT>
+constexpr int step_chunks_per_batch() {
+  return sizeof(PoolT) == 4 ? 8 : 4;
+}
+
+template <typename PoolT>
+inline RowMap step_row_map(int64_t n) {
+  return make_row_map(n, vec_of<PoolT>(), step_chunks_per_batch<PoolT>());
+}
+
 // Whether every row along the last dim of t starts on a 16-byte boundary and has
 // unit stride, so the rows can be read and written with 16-byte vectors. Decided
 // once per call on the host; the other case takes the scalar gather path, which

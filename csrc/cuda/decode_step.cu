@@ -8,7 +8,9 @@
 // order -- each lane's chunks in turn, then a shuffle tree over the row's lanes --
 // shared by the vector path and the scalar gather path, so every layout gives the
 // same bits.
+#include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "common.cuh"
 
@@ -25,16 +27,6 @@ struct StepLaunch {
   int smem_n = 0;          // B / C floats in shared memory: N rounded up to whole chunks
 };
 
-// Chunks per thread in flight, per pool type (measured on an H200, BENCHMARKS.md):
-// float32 rows go best 8 chunks deep, staged through shared memory; 16-bit rows,
-// whose 16 bytes hold twice the elements (twice the arithmetic), 4 deep in
-// registers. The mapping along N -- and so the result -- follows from this and N
-// alone, the same for every layout.
-template <typename PoolT>
-constexpr int step_batch() {
-  return sizeof(PoolT) == 4 ? 8 : 4;
-}
-
 // kStage (vector path only): whole chunks are staged into shared memory with
 // cp.async instead of being loaded into registers; the arithmetic is the same.
 template <typename PoolT, bool kUnit, bool kAPerN, bool kStage>
@@ -42,7 +34,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     decode_step_kernel(const __grid_constant__ StepParams s, const StepLaunch L) {
   static_assert(kUnit || !kStage, "staging needs the vector path");
   constexpr int VEC = vec_of<PoolT>();
-  constexpr int KB = step_batch<PoolT>();
+  constexpr int KB = step_chunks_per_batch<PoolT>();
   extern __shared__ float4 smem_vec[];  // float4: 16-byte aligned chunks
   float* Bs = reinterpret_cast<float*>(smem_vec);
   float* Cs = Bs + L.smem_n;
@@ -121,7 +113,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   const float xv = s.x.at(t, h, pc);
   const float dtx = dtv * xv;
   float dA_splat = 0.0f;
-  if constexpr (!kAPerN) dA_splat = decay(s.A.at(h, pc), dtv);
+  if constexpr (!kAPerN) {
+    if (m.n > 0) dA_splat = decay(s.A.at(h, pc), dtv);  // N = 0: A is empty, y = D * x only
+  }
   // Every lane of the warp takes part in the vote, whether or not its row exists.
   const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
   const bool write = valid && last;
@@ -145,7 +139,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       if constexpr (kAPerN) dA = decay(s.A.at(h, pc, static_cast<int64_t>(c) * VEC + v), dtv);
       else dA = dA_splat;
       r[v] = advance(r[v], dA, dtx, b[v]);
-      acc += r[v] * cc[v];
+      acc = accumulate_y(acc, r[v], cc[v]);
     }
     if (write) {
       if (whole) out.store(c, r);
@@ -196,6 +190,227 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (li == 0 && valid) store_scalar(s.y, y_off, s.y_dtype, finish_y(s, sum, t, h, pc, xv));
 }
 
+// ---------------------------------------------------------------------------
+// The pipelined kernel: the common case (unit-stride rows, whole chunks split
+// evenly over a row's lanes, A broadcast along N) at large and medium T.
+//
+// decode_step_kernel gives each block one tile and lets it exit: every block waits
+// out a slot-index load, then the row loads, then computes and stores, so an SM
+// holds far fewer bytes in flight on average than its resident blocks could. Here a
+// grid of a few blocks per multiprocessor walks the work items (t, h, tile of rows
+// along P) with a stride of gridDim.x, and while a block computes item i the pool
+// rows of item i + 1 are already on their way into shared memory (cp.async), with
+// that item's slot indices, B, C and per-channel inputs in registers: the memory
+// system always has the next item's bytes in flight, as in a copy.
+// Thread mapping along N, arithmetic and reduction order are decode_step_kernel's,
+// so both kernels give the same bits.
+// ---------------------------------------------------------------------------
+
+constexpr int kMaxBCPerThread = 4;  // B and C elements a thread widens per item
+
+struct PipeLaunch {
+  RowMap map;
+  int rows_per_item = 0;  // threads / lanes
+  int bc_per_thread = 0;  // ceil(N / threads) <= kMaxBCPerThread
+  uint32_t p_tiles = 0;   // items per (t, h)
+  uint32_t heads = 0, heads_per_group = 0;
+  uint32_t items = 0;
+};
+
+// Where one work item lies, as one thread sees it.
+struct PipeItem {
+  int64_t t = 0, h = 0, g = 0, p = 0;  // p: this thread's row, clamped to a readable one
+  bool row_valid = false;
+};
+
+// kStages stages of pool rows in shared memory: while item i is computed, the
+// rows of the next kStages - 1 items are in flight. The schedule, per iteration
+// (item i; "+k" = the item k strides ahead):
+//   issue the rows of +(kStages-1) (its source slot was loaded a round earlier)
+//   load the source slot of +kStages, B and C of +(kStages-1), the channel
+//     inputs and destination slot of +1      -- all into registers, no waiting
+//   wait for the rows of item i, compute and store it
+//   decide whether +1 writes (a warp vote over later rows' slots)
+//   publish B and C of +(kStages-1) to shared memory; barrier
+// so no load is waited on in the iteration that issues it.
+template <typename PoolT, int kStages>
+__global__ void __launch_bounds__(kMaxThreads)
+    decode_step_pipelined(const __grid_constant__ StepParams s, const PipeLaunch L) {
+  constexpr int VEC = vec_of<PoolT>();
+  constexpr int KB = step_chunks_per_batch<PoolT>();  // >= chunks per lane (make_row_map)
+  const RowMap& m = L.map;
+  const int cpl = m.chunks_per_lane;
+  const int threads = blockDim.x;
+  // Shared memory: kStages stages of 16-byte chunk slots (slot k of thread i at
+  // k * threads + i: a warp's accesses are contiguous, free of bank conflicts),
+  // then kStages stages of widened B and C.
+  extern __shared__ float4 smem_vec[];
+  uint4* chunks = reinterpret_cast<uint4*>(smem_vec);
+  float* bc = reinterpret_cast<float*>(chunks + kStages * KB * threads);
+  auto chunk_slot = [&](int stage, int k) { return chunks + (stage * KB + k) * threads + threadIdx.x; };
+  auto b_of = [&](int stage) { return bc + stage * 2 * m.n; };
+
+  const int li = threadIdx.x & (m.lanes - 1);
+  const int row = threadIdx.x >> m.lanes_log2;
+  PoolT* pool = static_cast<PoolT*>(s.pool);
+  const uint32_t stride = gridDim.x;
+
+  auto item_at = [&](uint32_t i) {
+    PipeItem it;
+    const uint32_t pt = i % L.p_tiles, th = i / L.p_tiles;
+    const uint32_t h = th % L.heads;
+    it.t = th / L.heads;
+    it.h = h;
+    it.g = h / L.heads_per_group;
+    const int64_t p = static_cast<int64_t>(pt) * L.rows_per_item + row;
+    it.row_valid = p < s.P;
+    it.p = it.row_valid ? p : 0;
+    return it;
+  };
+  auto src_of = [&](uint32_t i) {
+    if (i >= L.items) return int64_t{-1};
+    const int64_t t = i / L.p_tiles / L.heads;
+    return s.src.slot(t, t);
+  };
+  // The rows of item i into `stage` (nothing for a pad row or past the end); one
+  // commit group per call, empty or not, so the wait below counts groups exactly.
+  auto issue_rows = [&](uint32_t i, int64_t src, int stage) {
+    if (i < L.items && slot_addressable(src, s.S, s.pad_slot_id)) {
+      const PipeItem it = item_at(i);
+      if (it.row_valid) {
+        const PoolT* row_in = pool + s.pool_offset(src, it.h, it.p);
+#pragma unroll
+        for (int k = 0; k < KB; ++k)
+          if (k < cpl)
+            stage_unit_async<VEC>(row_in + static_cast<int64_t>(k * m.lanes + li) * VEC, chunk_slot(stage, k));
+      }
+    }
+    stage_commit();
+  };
+  float bc_regs[2 * kMaxBCPerThread];
+  auto load_bc = [&](uint32_t i) {
+    if (i >= L.items) return;
+    const PipeItem it = item_at(i);
+#pragma unroll
+    for (int j = 0; j < kMaxBCPerThread; ++j) {
+      const int n = threadIdx.x + j * threads;
+      if (j < L.bc_per_thread && n < m.n) {
+        bc_regs[2 * j] = s.B.at(it.t, it.g, n);
+        bc_regs[2 * j + 1] = s.C.at(it.t, it.g, n);
+      }
+    }
+  };
+  auto publish_bc = [&](int stage) {
+    float* Bs = b_of(stage);
+#pragma unroll
+    for (int j = 0; j < kMaxBCPerThread; ++j) {
+      const int n = threadIdx.x + j * threads;
+      if (j < L.bc_per_thread && n < m.n) {
+        Bs[n] = bc_regs[2 * j];
+        Bs[m.n + n] = bc_regs[2 * j + 1];
+      }
+    }
+  };
+  // Whether this thread's row of item i (destination dst) stores its state. Every
+  // lane of the warp votes, whether or not its row exists.
+  auto decide_write = [&](uint32_t i, int64_t dst) {
+    if (i >= L.items) return false;
+    const PipeItem it = item_at(i);
+    const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, it.t, dst);
+    return it.row_valid && last;
+  };
+  auto dst_of = [&](uint32_t i) {
+    if (i >= L.items) return int64_t{-1};
+    const int64_t t = i / L.p_tiles / L.heads;
+    return s.dst.slot(t, t);
+  };
+
+  uint32_t i = blockIdx.x;
+  if (i >= L.items) return;
+
+  // Prologue: rows of items +0 .. +(kStages-2) in flight, B and C of those in
+  // shared memory, channel inputs, destination and write decision of item +0.
+  uint32_t pad_bits = 0;  // bit k: item +k has no addressable source slot
+#pragma unroll
+  for (int k = 0; k + 1 < kStages; ++k) {
+    const uint32_t ik = i + k * stride;
+    const int64_t src = src_of(ik);
+    if (!slot_addressable(src, s.S, s.pad_slot_id)) pad_bits |= 1u << k;
+    issue_rows(ik, src, k);
+    load_bc(ik);
+    publish_bc(k);
+  }
+  int64_t src_ahead = src_of(i + (kStages - 1) * stride);
+  ChannelInputs in_cur = load_channel(s, item_at(i).t, item_at(i).h, item_at(i).p);
+  int64_t dst_cur = dst_of(i);
+  bool write_cur = decide_write(i, dst_cur);
+  __syncthreads();
+
+#pragma unroll 1
+  for (int stage = 0;; stage = stage + 1 == kStages ? 0 : stage + 1) {
+    const int far_stage = stage == 0 ? kStages - 1 : stage - 1;  // (stage + kStages - 1) % kStages
+    const uint32_t far = i + (kStages - 1) * stride;
+    if (!slot_addressable(src_ahead, s.S, s.pad_slot_id)) pad_bits |= 1u << (kStages - 1);
+    issue_rows(far, src_ahead, far_stage);
+    src_ahead = src_of(far + stride);
+    load_bc(far);
+    const uint32_t ni = i + stride;
+    ChannelInputs in_next;
+    if (ni < L.items) {
+      const PipeItem nit = item_at(ni);
+      in_next = load_channel(s, nit.t, nit.h, nit.p);
+    }
+    const int64_t dst_next = dst_of(ni);
+    stage_wait_prior<kStages - 1>();  // item i's rows have landed; the later items' may not have
+
+    // Compute item i.
+    const PipeItem cur = item_at(i);
+    const int64_t y_off = cur.t * s.y_stride[0] + cur.h * s.y_stride[1] + cur.p * s.y_stride[2];
+    if (pad_bits & 1u) {
+      if (li == 0 && cur.row_valid) store_scalar(s.y, y_off, s.y_dtype, 0.0f);
+    } else {
+      const float dtv = channel_dt(s, in_cur);
+      const float dtx = dtv * in_cur.x;
+      const float dA = decay(s.A.at(cur.h, cur.p), dtv);
+      const float* Bs = b_of(stage);
+      const float* Cs = Bs + m.n;
+      const DstateRow<VEC, true, PoolT> out{pool + s.pool_offset(dst_cur, cur.h, cur.p), 1};
+      float acc = 0.0f;
+#pragma unroll
+      for (int k = 0; k < KB; ++k) {
+        if (k >= cpl) break;
+        const int c = k * m.lanes + li;
+        float r[VEC];
+        load_staged<VEC, PoolT>(chunk_slot(stage, k), r);
+        float b[VEC], cc[VEC];
+#pragma unroll
+        for (int q = 0; q < VEC / 4; ++q) {
+          const float4 bv = reinterpret_cast<const float4*>(Bs + c * VEC)[q];
+          const float4 cv = reinterpret_cast<const float4*>(Cs + c * VEC)[q];
+          b[4 * q] = bv.x, b[4 * q + 1] = bv.y, b[4 * q + 2] = bv.z, b[4 * q + 3] = bv.w;
+          cc[4 * q] = cv.x, cc[4 * q + 1] = cv.y, cc[4 * q + 2] = cv.z, cc[4 * q + 3] = cv.w;
+        }
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          r[v] = advance(r[v], dA, dtx, b[v]);
+          acc = accumulate_y(acc, r[v], cc[v]);
+        }
+        if (write_cur) out.store(c, r);
+      }
+      const float sum = row_sum(acc, m.lanes);
+      if (li == 0 && cur.row_valid) store_scalar(s.y, y_off, s.y_dtype, finish_y(s, sum, in_cur));
+    }
+    if (ni >= L.items) break;
+    write_cur = decide_write(ni, dst_next) && !(pad_bits & 2u);
+    publish_bc(far_stage);
+    __syncthreads();  // B and C of `far` visible; this stage free to be refilled
+    i = ni;
+    pad_bits >>= 1;
+    in_cur = in_next;
+    dst_cur = dst_next;
+  }
+}
+
 // Warps per block. TORCH_SSD_CUDA_WARPS=1..8 overrides the heuristic (for tuning
 // runs; read on every call so that one process can sweep it).
 int pick_warps(const Dims& d, const RowMap& m, int elem_size) {
@@ -228,11 +443,85 @@ template <typename PoolT, bool kUnit, bool kAPerN, bool kStage>
 void launch(const StepParams& s, StepLaunch L, int W, cudaStream_t stream) {
   auto kernel = decode_step_kernel<PoolT, kUnit, kAPerN, kStage>;
   const size_t smem = 2 * static_cast<size_t>(L.smem_n) * sizeof(float) +
-                      (kStage ? static_cast<size_t>(W) * kWarp * step_batch<PoolT>() * 16 : 0);
+                      (kStage ? static_cast<size_t>(W) * kWarp * step_chunks_per_batch<PoolT>() * 16 : 0);
   allow_smem(kernel, smem);
   const int64_t blocks = s.T * s.H * L.p_blocks;
   TORCH_CHECK(blocks < (int64_t{1} << 31), "ssd.decode_step (CUDA): too many rows for one launch");
   kernel<<<static_cast<unsigned>(blocks), W * kWarp, smem, stream>>>(s, L);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Which kernel: TORCH_SSD_CUDA_KERNEL=block / =pipe forces one (for comparisons;
+// the pipelined one only where it applies). By default the pipelined one for
+// 16-bit pools, the block kernel for float32 pools: what measured faster on an
+// H200 (BENCHMARKS.md).
+bool want_pipelined(Dtype pool_dtype) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
+  if (env && std::string(env) == "block") return false;
+  if (env && std::string(env) == "pipe") return true;
+  return pool_dtype != Dtype::kFloat32;
+}
+
+// Warps per block of the pipelined kernel (TORCH_SSD_CUDA_PIPE_WARPS=1..8 overrides).
+int pick_pipe_warps(const Dims& d, const RowMap& m) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_PIPE_WARPS");
+  const int forced = env ? std::atoi(env) : 0;
+  if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
+  int w = 4;
+  while (w > 1 && (w / 2) * m.rows_per_warp() >= d.P) w /= 2;  // no warp without a row
+  return w;
+}
+
+template <typename PoolT>
+size_t pipe_smem_bytes(int stages, int threads, int n) {
+  return static_cast<size_t>(stages) * (static_cast<size_t>(step_chunks_per_batch<PoolT>()) * threads * 16 +
+                                        2 * static_cast<size_t>(n) * sizeof(float));
+}
+
+// Stages of the pipelined kernel: TORCH_SSD_CUDA_PIPE_STAGES=2..3 overrides. Two
+// by default: three gave no gain on an H200 (BENCHMARKS.md).
+int pick_pipe_stages() {
+  const char* env = std::getenv("TORCH_SSD_CUDA_PIPE_STAGES");
+  const int forced = env ? std::atoi(env) : 0;
+  return forced == 2 || forced == 3 ? forced : 2;
+}
+
+// Whether the pipelined kernel covers this call (see its comment).
+template <typename PoolT>
+bool pipelined_applies(const Dims& d, const RowMap& m, bool unit, bool a_per_n, int stages, int threads) {
+  return unit && !a_per_n && d.N > 0 && m.rest == 0 && m.nfull == m.lanes * m.chunks_per_lane &&
+         d.N <= static_cast<int64_t>(kMaxBCPerThread) * threads &&
+         pipe_smem_bytes<PoolT>(stages, threads, static_cast<int>(d.N)) <= 227 * 1024;
+}
+
+template <typename PoolT, int kStages>
+void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
+  auto kernel = decode_step_pipelined<PoolT, kStages>;
+  const int threads = W * kWarp;
+  PipeLaunch L;
+  L.map = map;
+  L.rows_per_item = threads >> map.lanes_log2;
+  L.bc_per_thread = static_cast<int>((d.N + threads - 1) / threads);
+  L.p_tiles = static_cast<uint32_t>((d.P + L.rows_per_item - 1) / L.rows_per_item);
+  L.heads = static_cast<uint32_t>(d.H);
+  L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
+  const int64_t items = d.T * d.H * static_cast<int64_t>(L.p_tiles);
+  TORCH_CHECK(items < (int64_t{1} << 31), "ssd.decode_step (CUDA): too many rows for one launch");
+  L.items = static_cast<uint32_t>(items);
+  const size_t smem = pipe_smem_bytes<PoolT>(kStages, threads, static_cast<int>(d.N));
+  allow_smem(kernel, smem);
+  // Resident blocks per multiprocessor (an occupancy query, not a stream
+  // operation: safe under graph capture). TORCH_SSD_CUDA_BPSM caps it.
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const char* env = std::getenv("TORCH_SSD_CUDA_BPSM");
+  const int cap = env ? std::atoi(env) : 0;
+  if (cap >= 1 && cap < per_sm) per_sm = cap;
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * num_sms();
+  // As many blocks as fit at once, each with a near-equal share of the items.
+  const int64_t rounds = (items + resident - 1) / resident;
+  const int64_t blocks = (items + rounds - 1) / rounds;
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(s, L);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -249,8 +538,18 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
 
   with_elem_type(s.pool_dtype, [&](auto tag) {
     using PoolT = decltype(tag);
+    const RowMap map = step_row_map<PoolT>(d.N);
+    if (want_pipelined(s.pool_dtype)) {
+      const int W = pick_pipe_warps(d, map);
+      const int stages = pick_pipe_stages();
+      if (pipelined_applies<PoolT>(d, map, unit, a_per_n, stages, W * kWarp)) {
+        if (stages == 2) launch_pipelined<PoolT, 2>(d, s, map, W, stream);
+        else launch_pipelined<PoolT, 3>(d, s, map, W, stream);
+        return;
+      }
+    }
     StepLaunch L;
-    L.map = make_row_map(d.N, vec_of<PoolT>(), step_batch<PoolT>());
+    L.map = map;
     L.smem_n = L.map.chunks() * vec_of<PoolT>();
     const int W = pick_warps(d, L.map, static_cast<int>(sizeof(PoolT)));
     L.rows_per_block = W * L.map.rows_per_warp();
