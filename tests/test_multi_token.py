@@ -292,13 +292,16 @@ def test_one_rounding_per_written_state(mdevice):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n", (20, 130, 1100))
 @pytest.mark.parametrize("per_head", (False, True), ids=("per_channel", "per_head"))
 @pytest.mark.parametrize("pattern", ("per_token", "spec_mixed"))
-def test_float32_pool_equals_single_steps_bitwise(mdevice, pattern, per_head):
+def test_float32_pool_equals_single_steps_bitwise(mdevice, pattern, per_head, n):
     """On a float32 pool rounding is the identity, so K single-token steps of the same
-    backend give the same bits: same per-element arithmetic, same reduction tree."""
+    backend give the same bits: same per-element arithmetic, same reduction tree.
+    (N = 130 and 1100: on CUDA several lanes per row with a tail, and a row longer than
+    one batch of registers.)"""
     T, K = 4, 4
-    d = token_operands((T, K), T * K + T + 3, per_head=per_head)
+    d = token_operands((T, K), T * K + T + 3, N=n, per_head=per_head)
     d = to_device(set_slots(d, pattern, T, K), mdevice)
     multi = clone(d)
     y_multi = torch.ops.ssd.decode_step_multi(*multi_args(multi))
@@ -459,6 +462,43 @@ def test_varlen_matches_reference(mdevice, unchecked_mode, case, pool_dtype, use
         assert not writes
     else:
         assert writes
+
+
+@pytest.mark.parametrize("n", (130, 1100))
+@pytest.mark.parametrize("pattern", ("per_token", "spec_mixed"))
+def test_large_state_matches_reference(mdevice, pattern, n):
+    """N beyond one chunk per lane (CUDA: several lanes per row, a tail) and beyond a
+    batch of registers (N = 1100), on a bfloat16 pool."""
+    T, K = 3, 4
+    d = token_operands((T, K), T * K + T + 3, N=n, pool_dtype=torch.bfloat16, seed=n)
+    d = to_device(set_slots(d, pattern, T, K), mdevice)
+    before = d["ssm_pool"].clone()
+    y = torch.ops.ssd.decode_step_multi(*multi_args(d))
+    check_fixed_against_reference(d, y, before)
+
+
+@pytest.mark.parametrize("cu", ([2, 4, 4, 6], [1, 3, 2, 9], [5, 7, 3, 4]),
+                         ids=("gaps_at_both_ends", "decreasing_and_past_L", "decreasing"))
+def test_varlen_tokens_no_row_owns_are_zero(mdevice, unchecked_mode, cu):
+    """Unchecked bounds: a row out of bounds or decreasing owns nothing; y is 0 for every
+    token no row owns, whatever was in out before."""
+    L = 8
+    d = token_operands((L,), 16, seed=len(cu))
+    d["cu_seqlens"] = torch.tensor(cu)
+    d["slot_idx"] = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    d["dst_slot_idx"] = torch.tensor([6, 7, 8])
+    d = to_device(d, mdevice)
+    before = d["ssm_pool"].clone()
+    y = torch.full_like(d["x"], float("nan"))
+    torch.ops.ssd.decode_step_varlen_out(*varlen_args(d), y)
+    y64, pool64, _ = reference_multi.decode_step_varlen(**cpu_args(dict(d, ssm_pool=before), VARLEN_ARGS),
+                                                        compute_dtype=torch.float64)
+    owned = [i for t in range(3) if 0 <= cu[t] <= cu[t + 1] <= L for i in range(cu[t], cu[t + 1])]
+    unowned = [i for i in range(L) if i not in owned]
+    assert unowned and owned
+    assert torch.equal(y[unowned].cpu(), torch.zeros(len(unowned), H, P))
+    assert relative_error(y[owned], y64[owned]) <= y_tolerance(torch.float32)
+    torch.testing.assert_close(d["ssm_pool"].cpu().double(), pool64.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_int32_indices_give_the_same_bits(mdevice):
@@ -811,6 +851,75 @@ def test_python_api_per_head(mdevice):
     out = torch.empty(T * K, H, P, device=mdevice)
     torch_ssd.decode_step_varlen_out(**vk, out=out)
     assert torch.equal(out, y_full.reshape(T * K, H, P))
+
+
+# ---------------------------------------------------------------------------
+# CUDA: graph capture, no host sync, no allocation but y
+# ---------------------------------------------------------------------------
+
+needs_cuda_kernels = pytest.mark.skipif(not torch.cuda.is_available() or not _has_kernel("cuda"),
+                                        reason="needs a CUDA device and the multi-token CUDA kernels")
+
+
+def _cuda_case(form: str) -> dict:
+    """A vLLM verification step (spec_mixed: pads, per-token writes) on CUDA; the
+    varlen form with a padded tail of 2 tokens that no row owns."""
+    T, K = 4, 3
+    d = set_slots(token_operands((T, K), 30, pool_dtype=torch.bfloat16), "spec_mixed", T, K)
+    if form == "varlen":
+        d = varlen_from_fixed(d)
+        for name in ("x", "dt", "B", "C", "z"):
+            d[name] = torch.cat([d[name], d[name][:2]])
+    d = to_device(d, "cuda")
+    d["out"] = torch.full_like(d["x"], float("nan"))
+    return d
+
+
+def _run_out(d: dict, form: str) -> None:
+    if form == "fixed":
+        torch.ops.ssd.decode_step_multi_out(*multi_args(d), d["out"])
+    else:
+        torch.ops.ssd.decode_step_varlen_out(*varlen_args(d), d["out"])
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("form", ("fixed", "varlen"))
+def test_cuda_graph_replay_equals_eager(form, unchecked_mode):
+    eager = _cuda_case(form)
+    _run_out(eager, form)
+    warm, captured = _cuda_case(form), _cuda_case(form)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _run_out(warm, form)  # first calls may set things up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run_out(captured, form)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured["out"], eager["out"])
+    assert torch.equal(captured["ssm_pool"], eager["ssm_pool"])
+
+
+@needs_cuda_kernels
+def test_cuda_no_host_sync_and_no_allocation_but_y(unchecked_mode):
+    fixed, varlen = _cuda_case("fixed"), _cuda_case("varlen")
+    _run_out(fixed, "fixed")  # warm-up
+    _run_out(varlen, "varlen")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+    try:
+        _run_out(fixed, "fixed")
+        _run_out(varlen, "varlen")
+        assert torch.cuda.memory_allocated() == before, "an _out op allocated"
+        y = torch.ops.ssd.decode_step_varlen(*varlen_args(varlen))
+        y_block = -(-y.numel() * y.element_size() // 512) * 512  # the allocator's rounding
+        assert torch.cuda.memory_allocated() - before == y_block, "decode_step_varlen allocated more than y"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.isnan(y).any() and torch.equal(y[-2:], torch.zeros_like(y[-2:]))
 
 
 # ---------------------------------------------------------------------------

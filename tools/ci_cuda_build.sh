@@ -80,7 +80,8 @@ fi
 "$VENV/bin/python" - <<'EOF' 2>&1 | grep -v "No CUDA runtime"
 import torch
 import torch_ssd  # noqa: F401  (loads the CUDA build: registers torch.ops.ssd.*)
-ops = ["load_state", "load_bc", "store_state", "decode_step", "decode_step_out"]
+ops = ["load_state", "load_bc", "store_state", "decode_step", "decode_step_out",
+       "decode_step_multi", "decode_step_multi_out", "decode_step_varlen", "decode_step_varlen_out"]
 missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(f"ssd::{op}", "CUDA")]
 if missing:
     raise SystemExit(f"ci_cuda_build: FAILED, no CUDA kernel for {missing}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""A small set of CUDA calls for compute-sanitizer: every op, contiguous and strided
-layouts, pad and out-of-range slots, a tail along N, all three pool dtypes.
+"""A small set of CUDA calls for compute-sanitizer: every op (the multi-token ones
+included), contiguous and strided layouts, pad and out-of-range slots, a tail along N,
+all three pool dtypes.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tools/cuda_sanitize_cases.py
     compute-sanitizer --tool racecheck python tools/cuda_sanitize_cases.py
@@ -122,6 +123,58 @@ def verb_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w, exact=True)
 
 
+def multi_cases(pool_dtype, layout, N):
+    """The multi-token ops: fixed and varlen forms, the vLLM (T, W) table with
+    num_accepted_tokens (a pad column, n > W), a per-token destination table (a pad,
+    an out-of-range slot, a duplicate across rows), write_state=False, a varlen row
+    without tokens and a tail of tokens no row owns."""
+    S, T, K, H, P, G = 28, 4, 3, 4, 8, 2
+    L = T * K + 2
+    pool = randn(S, H, P, N, dtype=pool_dtype)
+    fixed = dict(x=randn(T, K, H, P, dtype=torch.bfloat16), z=randn(T, K, H, P, dtype=torch.bfloat16),
+                 dt=randn(T, K, H, P) * 0.3, B=randn(T, K, G, N, dtype=torch.bfloat16),
+                 C=randn(T, K, G, N, dtype=torch.bfloat16))
+    flat = {k: v.reshape(T * K, *v.shape[2:]) for k, v in fixed.items()}
+    flat = {k: torch.cat([v, v[:2]]) for k, v in flat.items()}  # L = T * K + 2
+    broadcast = layout == "contiguous"
+    if broadcast:
+        A = (-torch.rand(H, 1, 1, generator=GEN) - 0.2).expand(H, P, N)
+    else:
+        A = -torch.rand(H, P, N, generator=GEN) - 0.2
+    D, dt_bias = randn(H, P), randn(H, P) * 0.1
+    # vLLM table: row 0 reads column 1, row 1 a pad column, row 2 n = 4 > W (a pad row),
+    # row 3 column 0 and writes a pad and an out-of-range slot.
+    table = torch.tensor([[0, 1, 2], [3, -1, 5], [6, 7, 8], [9, -1, S + 5]])
+    accepted = torch.tensor([2, 2, 4, 1])
+    src = torch.tensor([10, 11, -1, S + 3])
+    dst = torch.arange(12, 12 + T * K).view(T, K)
+    dst[1, 2] = dst[0, 0]  # the later write (row 1) wins
+    dst[3, 1] = -1
+    cu = torch.tensor([0, 3, 3, 6, 12])  # row 1 has no tokens; tokens 12, 13 no row owns
+    tag = f"multi {pool_dtype} {layout} N={N}"
+    res = []
+    for dev in ("cpu", "cuda"):
+        a = {k: relayout(v.to(dev), layout) for k, v in fixed.items()}
+        f = {k: relayout(v.to(dev), layout) for k, v in flat.items()}
+        pl = relayout(pool.to(dev), layout)
+        Ad = A.to(dev) if broadcast else relayout(A.to(dev), layout)
+        Dd, bd = relayout(D.to(dev), layout), relayout(dt_bias.to(dev), layout)
+        tb, ac, sr, ds, c = (v.to(dev) for v in (table, accepted, src, dst, cu))
+        y1 = torch.ops.ssd.decode_step_multi(pl, a["x"], a["dt"], Ad, a["B"], a["C"], Dd, a["z"], bd, True, tb, None,
+                                             -1, ac, True)
+        y2 = torch.full_like(a["x"], float("nan"))
+        torch.ops.ssd.decode_step_multi_out(pl, a["x"], a["dt"], Ad, a["B"], a["C"], Dd, a["z"], bd, True, sr, ds,
+                                            -1, None, True, y2)
+        y3 = torch.ops.ssd.decode_step_varlen(pl, f["x"], f["dt"], Ad, f["B"], f["C"], c.int(), Dd, f["z"], bd, True,
+                                              tb.int(), None, -1, ac.int(), True)
+        y4 = torch.full_like(f["x"], float("nan"))
+        torch.ops.ssd.decode_step_varlen_out(pl, f["x"], f["dt"], Ad, f["B"], f["C"], c, Dd, f["z"], bd, False,
+                                             sr, None, -1, None, False, y4)
+        res.append((y1, y2, y3, y4, pl))
+    for name, g, w in zip(("multi y", "multi_out y", "varlen y", "varlen_out y", "pool"), res[1], res[0]):
+        check(f"{tag} {name}", g, w)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -132,6 +185,7 @@ def main() -> int:
                 step_case(pool_dtype, layout, N, broadcast=layout == "contiguous",
                           idx_dtype=torch.int32 if layout == "offset" else torch.int64)
                 verb_cases(pool_dtype, layout, N)
+                multi_cases(pool_dtype, layout, N)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "
           f"{'' if FAILS else 'cases passed'}")
