@@ -6,17 +6,23 @@
 #
 # Stages:
 #   build       python setup.py build_ext --inplace (CUDA on; ptxas report in build.log)
-#   test        pytest tests -x -q (the suite parametrizes over "cuda"), tests/test_cuda.py included
+#   test        pytest tests -q (the suite parametrizes over "cuda"), tests/test_cuda.py included;
+#               -n TEST_WORKERS (default 8) through pytest-xdist when present; Python
+#               tracebacks on a crash (faulthandler)
 #   sanitize    compute-sanitizer memcheck + racecheck on tools/cuda_sanitize_cases.py,
 #               memcheck on tools/replay_fuzz_corpus.py (when present); the three
 #               parts alone: memcheck, racecheck, fuzz
-#   tune        tools/cuda_tune.py: block-size sweep against the copy ceiling
+#   probe       tools/exception_probe.py (do refused calls crash this environment?); on a
+#               crash, the native backtrace from cuda-gdb; compiler versions; in probe.log
+#   tune        tools/cuda_tune.py: kernel / block-size sweep against the copy ceiling (+ bit check)
+#   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config", see
+#               tools/cuda_profile.py), report in ncu.txt
 #   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
 #   bench-quick the same without torch.compile(reference)
 #
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
-# (default python3), TEST_ARGS / BENCH_ARGS / TUNE_ARGS (extra arguments),
+# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS (extra arguments),
 # FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
 #
@@ -88,17 +94,32 @@ for stage in "${STAGES[@]}"; do
   fi
   case "$stage" in
     build)
+      # TORCH_SSD_SYSTEM_CXX=1: build with the system gcc/g++ instead of $CC/$CXX. On this
+      # workplace's CUDA image $CXX is a wrapper (/opt/gcc/bin/g++) whose links put a
+      # static copy of libstdc++ into the extension; refused calls then crashed in
+      # libstdc++'s number formatting (two copies of its locale state in one process).
+      if [[ -n "${TORCH_SSD_SYSTEM_CXX:-}" ]]; then
+        for c in /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14; do
+          [[ -x $c ]] && export CXX=$c CC=${c/g++/gcc} && break
+        done
+      fi
       env_info >"$OUT/env.txt" 2>&1
+      { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1; file -L "${CXX:-g++}"; } >>"$OUT/env.txt" 2>&1
       cat "$OUT/env.txt"
       # A CPU-only _C*.so carried from elsewhere must not shadow this build.
       rm -f torch_ssd/_C*.so
       QUIET=1 run_stage build "$OUT/build.log" "${TO[@]}" env TORCH_SSD_CUDA=1 TORCH_SSD_PTXAS_V=1 MAX_JOBS="$(nproc)" \
         "$PY" setup.py build_ext --inplace || { grep -E -B2 -A8 "error" "$OUT/build.log" | head -n 80; break; }
       grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -n 20
+      { echo "=== libraries and libstdc++ copies in the extension"; readelf -d torch_ssd/_C*.so | grep NEEDED
+        echo "libstdc++ stream code defined inside: $(nm -C --defined-only torch_ssd/_C*.so | grep -c 'basic_ostream')"
+      } 2>&1 | tee -a "$OUT/env.txt"
       ;;
     test)
-      run_stage test "$OUT/test.log" "${TO[@]}" "$PY" -m pytest tests -x -q -p no:cacheprovider --timeout=600 \
-        ${TEST_ARGS:-}
+      XDIST=()
+      "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}")
+      run_stage test "$OUT/test.log" "${TO[@]}" "$PY" -X faulthandler -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
+        --timeout=600 -rfE "${XDIST[@]}" ${TEST_ARGS:-}
       ;;
     sanitize | memcheck | racecheck | fuzz)
       log="$OUT/sanitize.log"
@@ -118,6 +139,22 @@ for stage in "${STAGES[@]}"; do
       ;;
     tune)
       run_stage tune "$OUT/tune.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
+      ;;
+    probe)
+      { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1
+        "$PY" -c "import torch; print(torch.__config__.show())" | grep -i -E "gcc|compiler|abi"; } >>"$OUT/probe.log" 2>&1
+      run_stage probe "$OUT/probe.log" "${TO[@]}" "$PY" tools/exception_probe.py 30 ||
+        "${TO[@]}" cuda-gdb -batch -ex run -ex bt --args "$PY" tools/exception_probe.py 30 >>"$OUT/probe.log" 2>&1
+      tail -n 25 "$OUT/probe.log"
+      ;;
+    ncu)
+      for case in ${NCU_CASES:-80,64,128,1:fp32:64:pipe 80,64,128,1:bf16:64:pipe}; do
+        IFS=: read -r shape pool T config <<<"$case"
+        run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" ncu --clock-control none --kernel-name regex:decode_step \
+          --launch-skip 4 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+          "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config"
+      done
       ;;
     bench)
       run_stage bench "$OUT/bench.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress \
