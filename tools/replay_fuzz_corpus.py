@@ -661,9 +661,12 @@ def expected_refusal(case: Case) -> str | None:
     if case.op == "load_state":
         return None
     writes = case.dst_slot_idx if case.dst_slot_idx is not None else case.slot_idx
+    # decode_step: a row whose source slot is the pad id is a pad row and writes
+    # nothing, so it cannot duplicate a destination (store_state has no source).
+    sources = case.slot_idx if case.op in ("decode_step", "decode_step_out") else None
     first: dict[int, int] = {}
     for t, v in enumerate(writes or []):
-        if v == pad:
+        if v == pad or (sources is not None and sources[t] == pad):
             continue
         if v in first:
             return f"rows {first[v]} and {t} both write slot {v}"
