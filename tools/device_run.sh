@@ -23,7 +23,7 @@
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
 # (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS (extra arguments),
-# FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below).
+# FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
 #
 # The test stage needs pytest, pytest-timeout and expecttest. A machine without
@@ -94,11 +94,12 @@ for stage in "${STAGES[@]}"; do
   fi
   case "$stage" in
     build)
-      # TORCH_SSD_SYSTEM_CXX=1: build with the system gcc/g++ instead of $CC/$CXX. On this
+      # TORCH_SSD_SYSTEM_CXX=1 (the default; 0 turns it off): build with the system
+      # gcc/g++ instead of $CC/$CXX. On this
       # workplace's CUDA image $CXX is a wrapper (/opt/gcc/bin/g++) whose links put a
       # static copy of libstdc++ into the extension; refused calls then crashed in
       # libstdc++'s number formatting (two copies of its locale state in one process).
-      if [[ -n "${TORCH_SSD_SYSTEM_CXX:-}" ]]; then
+      if [[ "${TORCH_SSD_SYSTEM_CXX:-1}" == 1 ]]; then
         for c in /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14; do
           [[ -x $c ]] && export CXX=$c CC=${c/g++/gcc} && break
         done
