@@ -1,13 +1,15 @@
 // The fused decode step on CUDA (DESIGN.md sections 2, 3, 5, 6).
 //
-// Grid: one block per (row t, head h, block of head-dim rows p). Each thread
-// owns one p row -- its per-channel scalars (dt, x, the decay) are computed once
-// -- and a few chunks of it along N (the RowMap of common.cuh), whose 16-byte
-// loads are all issued before the first is used. B and C of (t, group) are
-// widened once per block into shared memory. The per-row sum over N has one fixed
-// order -- each lane's chunks in turn, then a shuffle tree over the row's lanes --
-// shared by the vector path and the scalar gather path, so every layout gives the
-// same bits.
+// Two kernels, one result. decode_step_kernel: one block per (row t, head h,
+// block of head-dim rows p); each thread owns one p row -- its per-channel scalars
+// (dt, x, the decay) are computed once -- and a few chunks of it along N (the RowMap
+// of common.cuh), whose 16-byte loads are all issued before the first is used; B
+// and C of (t, group) are widened once per block into shared memory.
+// decode_step_pipelined (the common case of 16-bit pools): a resident grid walks
+// the same tiles, with the next tile's rows in flight while the current one is
+// computed. Both share the thread mapping and the per-row sum over N -- each
+// lane's chunks in turn, then a shuffle tree over the row's lanes -- with the
+// scalar gather path, so every layout and both kernels give the same bits.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -479,7 +481,8 @@ size_t pipe_smem_bytes(int stages, int threads, int n) {
 }
 
 // Stages of the pipelined kernel: TORCH_SSD_CUDA_PIPE_STAGES=2..3 overrides. Two
-// by default: three gave no gain on an H200 (BENCHMARKS.md).
+// by default: three measured 1-4 points of copy bandwidth slower on an H200
+// (fewer resident blocks; BENCHMARKS.md).
 int pick_pipe_stages() {
   const char* env = std::getenv("TORCH_SSD_CUDA_PIPE_STAGES");
   const int forced = env ? std::atoi(env) : 0;
