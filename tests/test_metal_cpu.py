@@ -10,7 +10,9 @@ against the float64 reference, for every op, pool and input dtype, layout, pad
 rows and out-of-range slots; they also check bit-identity across layouts and
 across thread orders. The multi-token ops run tests/test_multi_token.py's contract
 tests with torch.ops.ssd served by these kernels, plus the Metal-specific cases
-(rows longer than one token block, bit-identity with K single Metal steps).
+(rows longer than one token block, bit-identity with K single Metal steps). The
+property-based cases of tests/test_fuzz.py (same generator, same oracle) run on them
+too, with the Metal version and the thread order drawn per case.
 
 The source is compiled twice, as Metal 3.1 (native bfloat) and as Metal 3.0 (the
 bfloat16-as-bits fallback), once per session, cached under build/metal_cpu_shim/.
@@ -30,9 +32,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import metal_parse
 import test_multi_token as mt
+from test_fuzz import HypothesisChooser, fuzz
+from test_fuzz import _fuzz_settings as fuzz_settings
 import torch_ssd
 from conftest import (
     apply_layout,
@@ -495,6 +501,21 @@ def test_decode_step_empty_and_all_pad(shim):
     inputs["ssm_pool"] = inputs["ssm_pool"][:0]
     y = run_decode_step(shim, inputs)
     assert torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("pad", (0, 2))
+def test_pad_id_among_the_implicit_slots(shim, pad):
+    """Without slot indices row t uses slot t; the row whose t is the pad id is still a
+    pad row (y = 0, its slot neither read nor written), in decode_step and store_state.
+    Found by the fuzz below: the kernels once took every row as live."""
+    inputs = make_inputs(5, 4, 2, 3, 6, 1, slots="identity", pad_slot_id=pad, pad_rows=())
+    y = check_step(shim, inputs)
+    assert torch.equal(y[pad], torch.zeros_like(y[pad]))
+    pool = torch.randn(5, 2, 3, 6).to(torch.bfloat16)
+    state = torch.randn(4, 2, 3, 6)
+    expected = reference.store_state(state, pool, None, pad)
+    mps.store_state(state, pool, None, pad, lib=shim)
+    assert torch.equal(pool, expected)
 
 
 def test_bad_input_raises_like_cpu_and_leaves_pool(shim31):
@@ -984,3 +1005,73 @@ def test_multi_bad_input_raises_like_cpu_and_launches_nothing(shim31):
         with pytest.raises(RuntimeError, match=text):
             call()
         assert torch.equal(d["ssm_pool"], before) and not shim31.calls, case_id
+
+
+# ---------------------------------------------------------------------------
+# Property-based: tests/test_fuzz.py's cases and oracle, on the Metal source
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fuzz_on_shim(shim_libraries, monkeypatch):
+    """torch.ops.ssd's single-step ops and loader verbs, the ops the fuzz generator
+    draws (fuzz.OPS), served by the Metal kernels through torch_ssd.mps. Each example
+    sets current["lib"]: the Metal version and thread order are part of the case."""
+    current = {}
+    for name in fuzz.OPS:
+        getattr(torch.ops.ssd, name)  # resolve before patching
+
+        def served(*args, _impl=getattr(mps, name)):
+            return _impl(*args, lib=current["lib"])
+
+        monkeypatch.setattr(torch.ops.ssd, name, served)
+    return current
+
+
+def _fuzz_on_metal(current, shim_libraries, ch, **draw):
+    case = fuzz.draw_case(ch, **draw)
+    # A device corruption on a machine whose only device is the CPU is a meta tensor,
+    # which check_case hands to the shared C++ argument checks alone (call_checks): no
+    # Metal kernel and no torch_ssd.mps code would run. tests/test_fuzz.py covers it.
+    assume(case.corrupt is None or case.corrupt[1] != "device")
+    version, reverse = ch.choice(METAL_VERSIONS), ch.rare(0.5)
+    lib = shim_libraries[version]
+    lib.reverse, current["lib"] = reverse, lib
+    lib.calls.clear()
+    try:
+        failures = fuzz.check_case(case, "cpu")
+    finally:
+        lib.reverse = False
+    where = f"Metal {version // 100}.{version // 10 % 10}, threads {'last to first' if reverse else 'in order'}"
+    assert not failures, f"{case.describe()} on {where}\n" + "\n".join(failures)
+    if case.corrupt is not None or fuzz.expected_refusal(case) is not None:
+        assert not lib.calls, f"a refused call launched {[c[0] for c in lib.calls]}: {case.describe()}"
+    return case
+
+
+@fuzz_settings(20)
+@given(data=st.data())
+def test_fuzz_matches_reference_on_metal_source(fuzz_on_shim, shim_libraries, data):
+    """Every op with hypothesis drawing each choice (boundaries first; a failure shrinks)."""
+    _fuzz_on_metal(fuzz_on_shim, shim_libraries, HypothesisChooser(data), max_elems=1 << 12,
+                   checked_rate=0.2, corrupt_rate=0.1)
+
+
+@fuzz_settings(40)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_fuzz_matches_reference_on_metal_source_seeded(fuzz_on_shim, shim_libraries, seed):
+    """Every op, cases spread by the corpus generator: wide N and P, every dtype pair,
+    strides, offsets and stride-0 operands, slots with duplicates, pads and
+    out-of-range values, checked mode, corrupted arguments."""
+    _fuzz_on_metal(fuzz_on_shim, shim_libraries, fuzz.RandomChooser(seed), max_elems=1 << 13,
+                   checked_rate=0.2, corrupt_rate=0.1)
+
+
+@fuzz_settings(20)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_fuzz_checked_mode_on_metal_source(fuzz_on_shim, shim_libraries, seed):
+    """Checked mode on: bad or duplicated slots are refused before any launch, with the
+    message of every backend, and the pool keeps its bits; other calls match."""
+    _fuzz_on_metal(fuzz_on_shim, shim_libraries, fuzz.RandomChooser(seed), max_elems=1 << 12,
+                   ops=("decode_step", "decode_step_out", "load_state", "store_state"),
+                   checked_rate=1.0, corrupt_rate=0.0)

@@ -671,6 +671,17 @@ def expected_refusal(case: Case) -> str | None:
         if v in first:
             return f"rows {first[v]} and {t} both write slot {v}"
         first[v] = t
+    if case.op in ("decode_step", "decode_step_out") and case.dst_slot_idx is not None:
+        # decode_step: no row may write a slot that another row reads (rows run in no
+        # fixed order, so that reader could see either state).
+        src = case.slot_idx if case.slot_idx is not None else list(range(case.T))
+        readers: dict[int, set[int]] = {}
+        for t, v in enumerate(src):
+            if v != pad:
+                readers.setdefault(v, set()).add(t)
+        for t, v in enumerate(case.dst_slot_idx):
+            if src[t] != pad and v != pad and readers.get(v, {t}) != {t}:
+                return f"row {t} writes slot {v} (dst_slot_idx[{t}]) which another row reads"
     return None
 
 

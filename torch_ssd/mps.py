@@ -23,7 +23,8 @@ per element along N or broadcast (``an`` / ``a1``). When B, C and a per-element 
 not share one dtype they are widened to float32 first (exact, so no result changes).
 Slot bookkeeping (pad rows, slots outside the pool, the last writer of a duplicated
 destination) is one small ``ssd_row_plan`` launch over the T rows whenever slot
-indices are given; the step kernel then reads two int64 per row. The multi-token ops
+indices are given (or, without them, when the pad id is one of the rows' slots
+0..T-1); the step kernel then reads two int64 per row. The multi-token ops
 always start with ``ssd_multi_plan`` (one thread per row: its tokens, its source slot,
 the slot each token writes), then run ``ssd_decode_step_multi_*``, named like the
 single-step kernels.
@@ -222,8 +223,10 @@ def _bindable(t: Tensor | None, fallback: Tensor) -> Tensor:
 def _slot_plan(lib, S: int, T: int, src_idx: Tensor | None, dst_idx: Tensor | None, pad_slot_id: int,
                rows_read_state: bool, device) -> Tensor | None:
     """(T, 2) int64 on the device: [source slot or -1, written slot or -1] per row.
-    None when there are no slot indices (row t reads and writes slot t)."""
-    if src_idx is None and dst_idx is None:
+    None when there are no slot indices and every row t reads and writes slot t."""
+    # Without slot indices row t's slot is t, and the row whose t is the pad id is
+    # still a pad row (DESIGN.md section 3): only the plan can say so to the kernels.
+    if src_idx is None and dst_idx is None and not 0 <= pad_slot_id < T:
         return None
     plan = torch.empty(2 * T, dtype=torch.int64, device=device)
     args = pack_args(
