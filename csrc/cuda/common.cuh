@@ -161,6 +161,20 @@ __device__ __forceinline__ bool warp_last_writer(const SlotRef& dst_idx, const S
   return !__any_sync(kFullMask, later);
 }
 
+// Chunk c of B and C from their widened float32 rows in shared memory (16-byte
+// aligned), as the per-element loop of every decode-step kernel takes them.
+template <int VEC>
+__device__ __forceinline__ void bc_chunk(const float* Bs, const float* Cs, int c, float (&b)[VEC],
+                                         float (&cc)[VEC]) {
+#pragma unroll
+  for (int i = 0; i < VEC / 4; ++i) {
+    const float4 bv = reinterpret_cast<const float4*>(Bs + c * VEC)[i];
+    const float4 cv = reinterpret_cast<const float4*>(Cs + c * VEC)[i];
+    b[4 * i] = bv.x, b[4 * i + 1] = bv.y, b[4 * i + 2] = bv.z, b[4 * i + 3] = bv.w;
+    cc[4 * i] = cv.x, cc[4 * i + 1] = cv.y, cc[4 * i + 2] = cv.z, cc[4 * i + 3] = cv.w;
+  }
+}
+
 // The tree reduction over the `lanes` lanes of one row (xor butterfly: every lane
 // ends with the same sum, since float addition is commutative).
 __device__ __forceinline__ float row_sum(float v, int lanes) {

@@ -127,13 +127,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   // One chunk: count = VEC for a whole chunk, m.rest for the tail.
   auto step_chunk = [&](int c, int count, bool whole, float(&r)[VEC]) {
     float b[VEC], cc[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC / 4; ++i) {
-      const float4 bv = reinterpret_cast<const float4*>(Bs + c * VEC)[i];
-      const float4 cv = reinterpret_cast<const float4*>(Cs + c * VEC)[i];
-      b[4 * i] = bv.x, b[4 * i + 1] = bv.y, b[4 * i + 2] = bv.z, b[4 * i + 3] = bv.w;
-      cc[4 * i] = cv.x, cc[4 * i + 1] = cv.y, cc[4 * i + 2] = cv.z, cc[4 * i + 3] = cv.w;
-    }
+    bc_chunk(Bs, Cs, c, b, cc);
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
       if (!whole && v >= count) break;  // the tail: only its real elements
@@ -385,13 +379,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         float r[VEC];
         load_staged<VEC, PoolT>(chunk_slot(stage, k), r);
         float b[VEC], cc[VEC];
-#pragma unroll
-        for (int q = 0; q < VEC / 4; ++q) {
-          const float4 bv = reinterpret_cast<const float4*>(Bs + c * VEC)[q];
-          const float4 cv = reinterpret_cast<const float4*>(Cs + c * VEC)[q];
-          b[4 * q] = bv.x, b[4 * q + 1] = bv.y, b[4 * q + 2] = bv.z, b[4 * q + 3] = bv.w;
-          cc[4 * q] = cv.x, cc[4 * q + 1] = cv.y, cc[4 * q + 2] = cv.z, cc[4 * q + 3] = cv.w;
-        }
+        bc_chunk(Bs, Cs, c, b, cc);
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           r[v] = advance(r[v], dA, dtx, b[v]);

@@ -276,13 +276,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     // chunk (kAPerN).
     auto step_chunk = [&](int c, int n_el, bool whole, float(&r)[VEC], const float(&a)[VEC]) {
       float b[VEC], cc[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC / 4; ++i) {
-        const float4 bv = reinterpret_cast<const float4*>(Bk + c * VEC)[i];
-        const float4 cv = reinterpret_cast<const float4*>(Ck + c * VEC)[i];
-        b[4 * i] = bv.x, b[4 * i + 1] = bv.y, b[4 * i + 2] = bv.z, b[4 * i + 3] = bv.w;
-        cc[4 * i] = cv.x, cc[4 * i + 1] = cv.y, cc[4 * i + 2] = cv.z, cc[4 * i + 3] = cv.w;
-      }
+      bc_chunk(Bk, Ck, c, b, cc);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
         if (!whole && v >= n_el) break;  // the tail: only its real elements
