@@ -263,11 +263,14 @@ __global__ void __launch_bounds__(kMaxThreads)
     it.p = it.row_valid ? p : 0;
     return it;
   };
-  auto src_of = [&](uint32_t i) {
+  // Source / destination slot of item i's row t (-1 past the last item).
+  auto slot_of = [&](const SlotRef& slots, uint32_t i) {
     if (i >= L.items) return int64_t{-1};
     const int64_t t = i / L.p_tiles / L.heads;
-    return s.src.slot(t, t);
+    return slots.slot(t, t);
   };
+  auto src_of = [&](uint32_t i) { return slot_of(s.src, i); };
+  auto dst_of = [&](uint32_t i) { return slot_of(s.dst, i); };
   // The rows of item i into `stage` (nothing for a pad row or past the end); one
   // commit group per call, empty or not, so the wait below counts groups exactly.
   auto issue_rows = [&](uint32_t i, int64_t src, int stage) {
@@ -315,11 +318,6 @@ __global__ void __launch_bounds__(kMaxThreads)
     const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, it.t, dst);
     return it.row_valid && last;
   };
-  auto dst_of = [&](uint32_t i) {
-    if (i >= L.items) return int64_t{-1};
-    const int64_t t = i / L.p_tiles / L.heads;
-    return s.dst.slot(t, t);
-  };
 
   uint32_t i = blockIdx.x;
   if (i >= L.items) return;
@@ -337,7 +335,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     publish_bc(k);
   }
   int64_t src_ahead = src_of(i + (kStages - 1) * stride);
-  ChannelInputs in_cur = load_channel(s, item_at(i).t, item_at(i).h, item_at(i).p);
+  const PipeItem first = item_at(i);
+  ChannelInputs in_cur = load_channel(s, first.t, first.h, first.p);
   int64_t dst_cur = dst_of(i);
   bool write_cur = decide_write(i, dst_cur);
   __syncthreads();
