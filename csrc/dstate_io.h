@@ -55,8 +55,8 @@ SSD_HD float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
 #else
 // Host half types: the same values as c10's conversions (round to nearest even),
-// written so the compiler vectorises the chunk loops: c10's bfloat16 rounding
-// branches on NaN per element, and its float16 conversion is a long bit-twiddle.
+// written so that they vectorise: c10's bfloat16 rounding branches on NaN per
+// element, and its float16 conversion is reached through calls per element.
 SSD_HD float widen(c10::BFloat16 v) {
   const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float f;
@@ -74,22 +74,59 @@ SSD_HD uint16_t narrow_bits(float v, c10::BFloat16) {
 template <> SSD_HD c10::BFloat16 narrow<c10::BFloat16>(float v) {
   return c10::BFloat16(narrow_bits(v, c10::BFloat16{}), c10::BFloat16::from_bits());
 }
-#if defined(__FLT16_MAX__)  // the compiler has _Float16 (F16C instructions where enabled)
-SSD_HD float widen(c10::Half v) {
-  _Float16 h;
-  __builtin_memcpy(&h, &v.x, sizeof h);
-  return static_cast<float>(h);
-}
-SSD_HD uint16_t narrow_bits(float v, c10::Half) {
-  const _Float16 h = static_cast<_Float16>(v);
-  uint16_t bits;
-  __builtin_memcpy(&bits, &h, sizeof bits);
-  return bits;
-}
-#else
-SSD_HD float widen(c10::Half v) { return static_cast<float>(v); }
-SSD_HD uint16_t narrow_bits(float v, c10::Half) { return c10::Half(v).x; }
+// Half: c10's portable IEEE conversions (fp16_ieee_to_fp32_value and
+// fp16_ieee_from_fp32_value: integer steps and a few exact float operations),
+// written once for a scalar (U = uint32_t, F = float) or a vector of lanes. The
+// chunk loops then vectorise them in every instruction set -- GCC 12 turns
+// vectors of _Float16 into one conversion per element even where F16C exists --
+// and every path (vector, gather, tail) gives the same bits.
+#if !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // U, F may be vectors; always inlined, never passed in a call
 #endif
+template <typename U, typename F>
+SSD_HD F half_to_float_high(U w) {  // the half in the high 16 bits of w, low bits 0
+  const U sign = w & 0x80000000u, two_w = w + w;
+  U norm_bits = (two_w >> 4) + (0xE0u << 23), denorm_bits = (two_w >> 17) | (126u << 23);
+  F norm, denorm;
+  __builtin_memcpy(&norm, &norm_bits, sizeof norm);
+  __builtin_memcpy(&denorm, &denorm_bits, sizeof denorm);
+  norm = norm * 0x1.0p-112f;     // exponent rebias; Inf and NaN stay Inf and NaN
+  denorm = denorm - 0.5f;        // a subnormal half, exactly
+  __builtin_memcpy(&norm_bits, &norm, sizeof norm);
+  __builtin_memcpy(&denorm_bits, &denorm, sizeof denorm);
+  const U bits = sign | (two_w < (1u << 27) ? denorm_bits : norm_bits);
+  F f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename U, typename F>
+SSD_HD U float_to_half(F f) {  // the half's bits in the low 16 bits
+  U w;
+  __builtin_memcpy(&w, &f, sizeof w);
+  const U shl1_w = w + w, sign = w & 0x80000000u;
+  const U abs_bits = w & 0x7FFFFFFFu;
+  F base;
+  __builtin_memcpy(&base, &abs_bits, sizeof base);
+  base = (base * 0x1.0p+112f) * 0x1.0p-110f;  // overflows to Inf where the half does
+  U bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? U{} + 0x71000000u : bias;
+  const U rounder_bits = (bias >> 1) + 0x07800000u;
+  F rounder;
+  __builtin_memcpy(&rounder, &rounder_bits, sizeof rounder);
+  base = rounder + base;  // rounds to the half's precision, nearest even
+  U bits;
+  __builtin_memcpy(&bits, &base, sizeof bits);
+  const U nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+  return (sign >> 16) | (shl1_w > 0xFF000000u ? U{} + 0x7E00u : nonsign);  // NaN: 0x7E00
+}
+#if !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+SSD_HD float widen(c10::Half v) { return half_to_float_high<uint32_t, float>(static_cast<uint32_t>(v.x) << 16); }
+SSD_HD uint16_t narrow_bits(float v, c10::Half) { return static_cast<uint16_t>(float_to_half<uint32_t, float>(v)); }
 template <> SSD_HD c10::Half narrow<c10::Half>(float v) {
   return c10::Half(narrow_bits(v, c10::Half{}), c10::Half::from_bits());
 }
@@ -131,19 +168,6 @@ SSD_HD void load_unit(const T* p, float (&r)[VEC]) {
       const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int j = 0; j < kPer16; ++j) r[i * kPer16 + j] = widen(e[j]);
-    }
-    return;
-  }
-#endif
-#if defined(SSD_HOST_NARROW_BITS) && defined(__FLT16_MAX__)
-  if constexpr (std::is_same_v<T, c10::Half> && VEC % 8 == 0) {  // F16C's vcvtph2ps where enabled
-    typedef float f32x8 __attribute__((vector_size(32)));
-    typedef _Float16 f16x8 __attribute__((vector_size(16)));
-    for (int i = 0; i < VEC; i += 8) {
-      f16x8 h;
-      __builtin_memcpy(&h, p + i, sizeof h);
-      const f32x8 f = __builtin_convertvector(h, f32x8);
-      __builtin_memcpy(r + i, &f, sizeof f);
     }
     return;
   }
@@ -197,19 +221,6 @@ SSD_HD void store_unit(T* p, const float (&r)[VEC]) {
     }
     return;
   }
-#if defined(__FLT16_MAX__)
-  if constexpr (std::is_same_v<T, c10::Half> && VEC % 8 == 0) {  // F16C's vcvtps2ph where enabled
-    typedef float f32x8 __attribute__((vector_size(32)));
-    typedef _Float16 f16x8 __attribute__((vector_size(16)));
-    for (int i = 0; i < VEC; i += 8) {
-      f32x8 f;
-      __builtin_memcpy(&f, r + i, sizeof f);
-      const f16x8 h = __builtin_convertvector(f, f16x8);
-      __builtin_memcpy(static_cast<void*>(p + i), &h, sizeof h);
-    }
-    return;
-  }
-#endif
 #endif
 #pragma unroll
   for (int v = 0; v < VEC; ++v) p[v] = narrow<T>(r[v]);
@@ -308,6 +319,127 @@ SSD_HD void store_row(const float* src, int64_t src_stride, T* dst, int64_t dst_
     out.store_tail(full, rest, r);
   }
 }
+
+// ---------------------------------------------------------------------------
+// Host only (GCC / clang): chunks of 16 elements held in two 8-lane float
+// vectors, for the CPU step's inner loop. Which register lane holds which
+// element is the pool type's choice (ChunkOrder), picked so that widening and
+// rounding need no cross-lane shuffle:
+//   float        natural order: elements 0-7 in lo, 8-15 in hi;
+//   16-bit       paired order: even elements in lo, odd ones in hi (one 32-bit
+//                word holds elements 2j and 2j+1: a shift or a mask takes each
+//                to its own lane, and a shift and an or pack them back).
+// The arithmetic is per element, so the order changes no bit. Every row that
+// meets a chunk in the arithmetic (B, C, a per-element A) is widened into
+// scratch in the same order (load_row_ordered); a row's tail (N % 16 elements)
+// stays in natural order and goes through the scalar verbs above.
+// ---------------------------------------------------------------------------
+#if defined(SSD_HOST_NARROW_BITS)
+// These take and return 32-byte vectors; they are always inlined, so no call
+// ever passes one and GCC's note about the AVX calling convention does not apply.
+#if !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float HostF32x8 __attribute__((vector_size(32)));
+typedef uint32_t HostU32x8 __attribute__((vector_size(32)));
+
+struct HostChunk {
+  HostF32x8 lo, hi;
+};
+
+template <typename T> struct ChunkOrder { static constexpr bool kPaired = false; };
+template <> struct ChunkOrder<c10::BFloat16> { static constexpr bool kPaired = true; };
+template <> struct ChunkOrder<c10::Half> { static constexpr bool kPaired = true; };
+
+// The register lane (0-7: lo, 8-15: hi) of element v of a chunk.
+template <typename Order>
+constexpr int chunk_lane(int v) { return ChunkOrder<Order>::kPaired ? (v & 1) * 8 + v / 2 : v; }
+
+// v - 0 is v for every v (v + 0 is not: -0.0 + 0.0 = +0.0); the compiler makes it one broadcast.
+SSD_HD HostF32x8 host_splat(float v) { return v - HostF32x8{}; }
+
+// Lane-wise narrow_bits(v, BFloat16{}), the result in the high half of each word.
+SSD_HD HostU32x8 round_bf16_high(HostF32x8 v) {
+  const HostU32x8 bits = (HostU32x8)v;
+  const HostU32x8 rounded = bits + 0x7FFFu + ((bits >> 16) & 1u);  // nearest, ties to even
+  return v != v ? HostU32x8{} + 0x7FC00000u : rounded;            // NaN stays NaN
+}
+
+// One chunk (elements [0, 16) from p) into registers, in T's order.
+template <bool kUnit, typename T>
+SSD_HD void load_chunk(const T* p, int64_t stride, HostChunk& r) {
+  if constexpr (kUnit && std::is_same_v<T, float>) {
+    __builtin_memcpy(&r.lo, p, sizeof r.lo);
+    __builtin_memcpy(&r.hi, p + 8, sizeof r.hi);
+  } else if constexpr (kUnit && std::is_same_v<T, c10::BFloat16>) {
+    HostU32x8 w;
+    __builtin_memcpy(&w, p, sizeof w);
+    r.lo = (HostF32x8)(w << 16);
+    r.hi = (HostF32x8)(w & 0xFFFF0000u);
+  } else if constexpr (kUnit && std::is_same_v<T, c10::Half>) {
+    HostU32x8 w;
+    __builtin_memcpy(&w, p, sizeof w);
+    r.lo = half_to_float_high<HostU32x8, HostF32x8>(w << 16);
+    r.hi = half_to_float_high<HostU32x8, HostF32x8>(w & 0xFFFF0000u);
+  } else {
+    float f[16];
+    if constexpr (kUnit) load_unit<16>(p, f);
+    else load_gather<16>(p, stride, f);
+    float o[16];
+    for (int v = 0; v < 16; ++v) o[chunk_lane<T>(v)] = f[v];
+    __builtin_memcpy(&r.lo, o, sizeof r.lo);
+    __builtin_memcpy(&r.hi, o + 8, sizeof r.hi);
+  }
+}
+
+// One chunk from registers (T's order) to p, rounded once.
+template <bool kUnit, typename T>
+SSD_HD void store_chunk(T* p, int64_t stride, const HostChunk& r) {
+  if constexpr (kUnit && std::is_same_v<T, float>) {
+    __builtin_memcpy(static_cast<void*>(p), &r.lo, sizeof r.lo);
+    __builtin_memcpy(static_cast<void*>(p + 8), &r.hi, sizeof r.hi);
+  } else if constexpr (kUnit && std::is_same_v<T, c10::BFloat16>) {
+    const HostU32x8 w = (round_bf16_high(r.lo) >> 16) | (round_bf16_high(r.hi) & 0xFFFF0000u);
+    __builtin_memcpy(static_cast<void*>(p), &w, sizeof w);
+  } else if constexpr (kUnit && std::is_same_v<T, c10::Half>) {
+    const HostU32x8 w = float_to_half<HostU32x8, HostF32x8>(r.lo) | (float_to_half<HostU32x8, HostF32x8>(r.hi) << 16);
+    __builtin_memcpy(static_cast<void*>(p), &w, sizeof w);
+  } else {
+    float o[16];
+    __builtin_memcpy(o, &r.lo, sizeof r.lo);
+    __builtin_memcpy(o + 8, &r.hi, sizeof r.hi);
+    float f[16];
+    for (int v = 0; v < 16; ++v) f[v] = o[chunk_lane<T>(v)];
+    if constexpr (kUnit) store_unit<16>(p, f);
+    else store_scatter<16>(p, stride, f);
+  }
+}
+
+// load_row, with each whole chunk in the lane order of pool type Order.
+template <typename Order, bool kUnit, typename T>
+SSD_HD void load_row_ordered(const T* src, int64_t stride, int64_t n, float* dst) {
+  load_row<16, kUnit>(src, stride, n, dst);
+  if constexpr (ChunkOrder<Order>::kPaired) {
+    for (int64_t c = 0; c < n / 16; ++c) {
+      float f[16];
+      for (int v = 0; v < 16; ++v) f[v] = dst[c * 16 + v];
+      for (int v = 0; v < 16; ++v) dst[c * 16 + chunk_lane<Order>(v)] = f[v];
+    }
+  }
+}
+
+// A chunk of float scratch already in chunk order (see load_row_ordered).
+SSD_HD HostChunk load_ordered_chunk(const float* p) {
+  HostChunk r;
+  __builtin_memcpy(&r.lo, p, sizeof r.lo);
+  __builtin_memcpy(&r.hi, p + 8, sizeof r.hi);
+  return r;
+}
+#if !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // SSD_HOST_NARROW_BITS
 
 // ---------------------------------------------------------------------------
 // CUDA only: asynchronous staging of unit-stride chunks into shared memory

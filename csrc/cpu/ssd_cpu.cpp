@@ -4,25 +4,81 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../ssd.h"
 #include "cpu_common.h"
+
+// The kernels pass AVX-sized vectors only between always-inlined helpers, so GCC's
+// note that such vectors change the calling convention without AVX never applies.
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 namespace ssd {
 namespace {
 
 using namespace cpu;
 
-// The fused step for the (row, head) pairs [begin, end).
+// One channel (t, h, p): advance its N elements of state from `in`, store them
+// to `out` when kWrite, and return y's sum over N of state * C. Bf, Cf (and Af
+// when kAPerN) are float rows whose whole chunks are in PoolT's lane order.
+template <typename PoolT, bool kUnit, bool kAPerN, bool kWrite>
+SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, int64_t N, const float* Bf,
+                                  const float* Cf, const float* Af, float dtv, float dA_splat, float dtx) {
+  const int64_t full = N / kVec;
+  const int rest = static_cast<int>(N - full * kVec);
+  const int64_t step = kVec * (kUnit ? 1 : stride);
+  const HostF32x8 dtx8 = host_splat(dtx);
+  HostChunk dA{host_splat(dA_splat), host_splat(dA_splat)};
+  HostChunk acc{host_splat(0.0f), host_splat(0.0f)};
+  for (int64_t c = 0; c < full; ++c) {
+    HostChunk st;
+    load_chunk<kUnit>(in + c * step, stride, st);
+    const HostChunk b = load_ordered_chunk(Bf + c * kVec), cc = load_ordered_chunk(Cf + c * kVec);
+    if constexpr (kAPerN) {
+      float d[kVec];
+      for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv);
+      dA = load_ordered_chunk(d);
+    }
+    st.lo = advance_lanes(st.lo, dA.lo, dtx8, b.lo);
+    st.hi = advance_lanes(st.hi, dA.hi, dtx8, b.hi);
+    acc.lo = accumulate_lanes(acc.lo, st.lo, cc.lo);
+    acc.hi = accumulate_lanes(acc.hi, st.hi, cc.hi);
+    if constexpr (kWrite) store_chunk<kUnit>(out + c * step, stride, st);
+  }
+  if (!rest) return reduce_chunk<PoolT>(acc);
+  // The tail, element by element into the same lanes of reduce_lanes' tree.
+  float lanes[kVec], st[kVec];
+  chunk_to_lanes<PoolT>(acc, lanes);
+  DstateRow<kVec, kUnit, const PoolT>{in, stride}.load_tail(full, rest, st);
+  for (int v = 0; v < rest; ++v) {
+    const int64_t n = full * kVec + v;
+    const float dA_n = kAPerN ? decay(Af[n], dtv) : dA_splat;
+    st[v] = advance(st[v], dA_n, dtx, Bf[n]);
+    lanes[v] = accumulate_y(lanes[v], st[v], Cf[n]);
+  }
+  if constexpr (kWrite) DstateRow<kVec, kUnit, PoolT>{out, stride}.store_tail(full, rest, st);
+  return reduce_lanes(lanes);
+}
+
+// The fused step for the (row, head) pairs [begin, end). The per-channel work
+// (x, dt, A, D, z, y) is done a head at a time over rows of P channels, so it
+// vectorises and its dtype dispatch is paid once per head, not once per channel.
 template <typename PoolT, bool kUnit, bool kAPerN>
 SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64_t begin, int64_t end) {
-  const int64_t N = s.N, full = N / kVec;
-  const int rest = static_cast<int>(N - full * kVec);
-  std::vector<float> scratch((kAPerN ? 3 : 2) * N);
+  const int64_t N = s.N, P = s.P;
+  std::vector<float> scratch((kAPerN ? 3 : 2) * N + 6 * P);
   float* Bf = scratch.data();
   float* Cf = Bf + N;
-  float* Af = Cf + N;
+  float* xs = Cf + N;    // per channel of the head: x
+  float* dtv = xs + P;   //   dt (+ dt_bias, softplus)
+  float* dtx = dtv + P;  //   dt * x
+  float* dA = dtx + P;   //   exp(A * dt), when A is constant along N
+  float* ys = dA + P;    //   y's sum over N, then y
+  float* tmp = ys + P;   //   D, then z (finish_y_row's scratch)
+  float* Af = tmp + P;   // per element A of one channel
   PoolT* pool = static_cast<PoolT*>(s.pool);
   int64_t widened_tg = -1;
   const bool dt_per_head = s.dt.stride[2] == 0 && (!s.dt_bias.present() || s.dt_bias.stride[1] == 0);
@@ -33,68 +89,73 @@ SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64
     const int64_t src = s.src.slot(t, t);
     const int64_t y_row = t * s.y_stride[0] + h * s.y_stride[1];
     if (!slot_addressable(src, s.S, s.pad_slot_id)) {
-      for (int64_t p = 0; p < s.P; ++p) store_scalar(s.y, y_row + p * s.y_stride[2], s.y_dtype, 0.0f);
+      for (int64_t p = 0; p < P; ++p) store_scalar(s.y, y_row + p * s.y_stride[2], s.y_dtype, 0.0f);
       continue;
     }
+    if (P == 0) continue;
     const int64_t dst = s.dst.slot(t, t);
     const bool write = writes[t];
     if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
-      widen_row(s.B, t * s.B.stride[0] + g * s.B.stride[1], s.B.stride[2], N, Bf);
-      widen_row(s.C, t * s.C.stride[0] + g * s.C.stride[1], s.C.stride[2], N, Cf);
+      widen_row_ordered<PoolT>(s.B, t * s.B.stride[0] + g * s.B.stride[1], s.B.stride[2], N, Bf);
+      widen_row_ordered<PoolT>(s.C, t * s.C.stride[0] + g * s.C.stride[1], s.C.stride[2], N, Cf);
       widened_tg = t * s.G + g;
     }
 
-    float dtv = 0.0f, dA_splat = 0.0f;
-    for (int64_t p = 0; p < s.P; ++p) {
-      // Per-head dt / dt_bias / A (stride 0 over P) give the same value for every p:
-      // evaluate softplus and exp once per head, not once per channel.
-      if (p == 0 || !dt_per_head) dtv = channel_dt(s, t, h, p);
-      const float xv = s.x.at(t, h, p);
-      const float dtx = dtv * xv;
-      if constexpr (kAPerN) widen_row(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
-      else if (N > 0 && (p == 0 || !dA_per_head))  // N == 0: A is empty, nothing decays
-        dA_splat = decay(load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype), dtv);
-
-      const DstateRow<kVec, kUnit, const PoolT> in{pool + s.pool_offset(src, h, p), s.pool_stride[3]};
-      const DstateRow<kVec, kUnit, PoolT> out{pool + s.pool_offset(dst, h, p), s.pool_stride[3]};
-      float acc[kVec] = {};
-      float st[kVec];
-      for (int64_t c = 0; c < full; ++c) {
-        in.load(c, st);
-        const float* b = Bf + c * kVec;
-        const float* cc = Cf + c * kVec;
-        for (int v = 0; v < kVec; ++v) {
-          const float dA = kAPerN ? decay(Af[c * kVec + v], dtv) : dA_splat;
-          st[v] = advance(st[v], dA, dtx, b[v]);
-          acc[v] += st[v] * cc[v];
-        }
-        if (write) out.store(c, st);
-      }
-      if (rest) {
-        in.load_tail(full, rest, st);
-        for (int v = 0; v < rest; ++v) {
-          const int64_t n = full * kVec + v;
-          const float dA = kAPerN ? decay(Af[n], dtv) : dA_splat;
-          st[v] = advance(st[v], dA, dtx, Bf[n]);
-          acc[v] += st[v] * Cf[n];
-        }
-        if (write) out.store_tail(full, rest, st);
-      }
-      store_scalar(s.y, y_row + p * s.y_stride[2], s.y_dtype, finish_y(s, reduce_lanes(acc), t, h, p, xv));
+    // Per-head dt / dt_bias / A (stride 0 over P) give the same value for every p:
+    // evaluate softplus and exp once per head, not once per channel.
+    widen_row(s.x, t * s.x.stride[0] + h * s.x.stride[1], s.x.stride[2], P, xs);
+    if (dt_per_head) std::fill(dtv, dtv + P, channel_dt(s, t, h, 0));
+    else for (int64_t p = 0; p < P; ++p) dtv[p] = channel_dt(s, t, h, p);
+    for (int64_t p = 0; p < P; ++p) dtx[p] = dtv[p] * xs[p];
+    if (!kAPerN && N > 0) {  // N == 0: A is empty, nothing decays
+      const auto A = [&](int64_t p) SSD_CPU_INLINE_LAMBDA {
+        return load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
+      };
+      if (dA_per_head) std::fill(dA, dA + P, decay(A(0), dtv[0]));
+      else for (int64_t p = 0; p < P; ++p) dA[p] = decay(A(p), dtv[p]);
     }
+
+    const int64_t ps = s.pool_stride[2];
+    const PoolT* in = pool + s.pool_offset(src, h, 0);
+    PoolT* out = pool + s.pool_offset(dst, h, 0);
+    for (int64_t p = 0; p < P; ++p) {
+      if constexpr (kAPerN)
+        widen_row_ordered<PoolT>(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
+      const float dA_p = kAPerN || N == 0 ? 0.0f : dA[p];
+      ys[p] = write ? step_channel<PoolT, kUnit, kAPerN, true>(in + p * ps, out + p * ps, s.pool_stride[3], N, Bf,
+                                                               Cf, Af, dtv[p], dA_p, dtx[p])
+                    : step_channel<PoolT, kUnit, kAPerN, false>(in + p * ps, out + p * ps, s.pool_stride[3], N, Bf,
+                                                                Cf, Af, dtv[p], dA_p, dtx[p]);
+    }
+    finish_y_row(s, t, h, xs, tmp, ys);
+    narrow_row(s.y, s.y_dtype, y_row, s.y_stride[2], P, ys);
   }
 }
 
-SSD_CPU_CLONES void step_rows(const StepParams& s, const uint8_t* writes, bool unit, bool a_per_n, int64_t begin,
-                              int64_t end) {
-  with_dtype(s.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
-    using PoolT = decltype(tag);
-    with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
-      with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
-        step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, writes, begin, end);
-      });
+template <typename PoolT>
+SSD_CPU_INLINE void step_rows_of(const StepParams& s, const uint8_t* writes, bool unit, bool a_per_n, int64_t begin,
+                                 int64_t end) {
+  with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
+    with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
+      step_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(s, writes, begin, end);
     });
   });
+}
+
+SSD_CPU_CLONES void step_rows_float(const StepParams& s, const uint8_t* writes, bool unit, bool a_per_n,
+                                    int64_t begin, int64_t end) {
+  step_rows_of<float>(s, writes, unit, a_per_n, begin, end);
+}
+
+SSD_CPU_CLONES_AVX512 void step_rows_half(const StepParams& s, const uint8_t* writes, bool unit, bool a_per_n,
+                                          int64_t begin, int64_t end) {
+  if (s.pool_dtype == Dtype::kBFloat16) step_rows_of<c10::BFloat16>(s, writes, unit, a_per_n, begin, end);
+  else step_rows_of<c10::Half>(s, writes, unit, a_per_n, begin, end);
+}
+
+void step_rows(const StepParams& s, const uint8_t* writes, bool unit, bool a_per_n, int64_t begin, int64_t end) {
+  if (s.pool_dtype == Dtype::kFloat32) step_rows_float(s, writes, unit, a_per_n, begin, end);
+  else step_rows_half(s, writes, unit, a_per_n, begin, end);
 }
 
 void run_step(const StepParams& s, bool unit, bool a_per_n) {
@@ -102,6 +163,19 @@ void run_step(const StepParams& s, bool unit, bool a_per_n) {
   // decided once per row here, not once per (row, head) task.
   std::vector<uint8_t> writes(s.T);
   for (int64_t t = 0; t < s.T; ++t) writes[t] = row_writes(s, t, s.dst.slot(t, t));
+  std::vector<std::pair<int64_t, int64_t>> reads, written;
+  if (s.src.data != nullptr || s.dst.data != nullptr) {  // else row t reads and writes slot t only
+    for (int64_t t = 0; t < s.T; ++t) {
+      const int64_t src = s.src.slot(t, t);
+      if (!slot_addressable(src, s.S, s.pad_slot_id)) continue;
+      reads.emplace_back(src, t);
+      if (writes[t]) written.emplace_back(s.dst.slot(t, t), t);
+    }
+  }
+  if (cross_row_hazard(reads, written)) {
+    step_rows(s, writes.data(), unit, a_per_n, 0, s.T * s.H);
+    return;
+  }
   // Each (row, head) pair is P * N elements of state: one pair is worth a task.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, s.P * s.N));
   at::parallel_for(0, s.T * s.H, grain, [&](int64_t begin, int64_t end) {

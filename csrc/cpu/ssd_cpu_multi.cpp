@@ -186,7 +186,7 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
       for (int64_t k = 0; k < count; ++k) {
         const StepParams& v = views[k];
         store_scalar(v.y, first * v.y_stride[0] + h * v.y_stride[1] + p * v.y_stride[2], v.y_dtype,
-                     finish_y(v, reduce_lanes(acc + k * kVec), first, h, p, xv[k]));
+                     finish_y_cpu(v, reduce_lanes(acc + k * kVec), first, h, p, xv[k]));
       }
     }
   }
@@ -208,6 +208,18 @@ void run_multi(const MultiStepParams& m, bool unit, bool a_per_n) {
   const Plan plan = make_plan(m);
   if (plan.max_tokens == 0) return;
   const StepParams& s = m.step;
+  std::vector<std::pair<int64_t, int64_t>> reads, written;
+  for (int64_t t = 0; t < s.T; ++t) {
+    const RowPlan& r = plan.rows[t];
+    if (r.pad || r.tokens.count == 0) continue;
+    reads.emplace_back(r.src, t);
+    for (int64_t k = 0; k < r.tokens.count; ++k)
+      if (plan.dst[t * plan.max_tokens + k] != kNoSlot) written.emplace_back(plan.dst[t * plan.max_tokens + k], t);
+  }
+  if (cross_row_hazard(reads, written)) {
+    multi_rows(m, plan, unit, a_per_n, 0, s.T * s.H);
+    return;
+  }
   // Each (row, head) pair is up to K * P * N element updates.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, plan.max_tokens * s.P * s.N));
   at::parallel_for(0, s.T * s.H, grain,
