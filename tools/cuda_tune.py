@@ -10,10 +10,13 @@ A config names the kernel and its knobs, joined by '-':
   block        the one-tile-per-block kernel (TORCH_SSD_CUDA_KERNEL=block)
     sS         staging through shared memory on/off (TORCH_SSD_CUDA_STAGE)
     wW         warps per block (TORCH_SSD_CUDA_WARPS)
+    cC         C chunks of 16 bytes per lane and row (TORCH_SSD_CUDA_CHUNKS; changes the
+               mapping along N and so the bits: expect "DIFFERS" against other mappings)
   pipe         the pipelined kernel (TORCH_SSD_CUDA_KERNEL=pipe)
     wW         warps per block (TORCH_SSD_CUDA_PIPE_WARPS)
     bB         at most B resident blocks per multiprocessor (TORCH_SSD_CUDA_BPSM)
     nS         S stages of rows in shared memory, 2 or 3 (TORCH_SSD_CUDA_PIPE_STAGES)
+    cC         as for block
 Unset knobs take the defaults.
 
 Prints, per (shape, pool dtype, T), microseconds per step and % of copy bandwidth
@@ -40,7 +43,7 @@ from torch_ssd import bench
 
 
 KNOBS = ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PIPE_WARPS",
-         "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES")
+         "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES", "TORCH_SSD_CUDA_CHUNKS")
 
 
 def parse_config(text: str) -> dict[str, str]:
@@ -49,7 +52,8 @@ def parse_config(text: str) -> dict[str, str]:
     if kernel not in ("block", "pipe"):
         raise SystemExit(f"cuda_tune: unknown kernel in config {text!r}")
     env = {"TORCH_SSD_CUDA_KERNEL": kernel}
-    names = {("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
+    names = {("block", "c"): "TORCH_SSD_CUDA_CHUNKS", ("pipe", "c"): "TORCH_SSD_CUDA_CHUNKS",
+             ("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
              ("pipe", "w"): "TORCH_SSD_CUDA_PIPE_WARPS", ("pipe", "b"): "TORCH_SSD_CUDA_BPSM",
              ("pipe", "n"): "TORCH_SSD_CUDA_PIPE_STAGES"}
     for knob in knobs:

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 // dstate_io.h's vector paths return early, leaving the scalar loop after them
@@ -81,9 +82,17 @@ constexpr int step_chunks_per_batch() {
   return sizeof(PoolT) == 4 ? 8 : 4;
 }
 
+// TORCH_SSD_CUDA_CHUNKS=1..step_chunks_per_batch lowers the chunks per lane (more
+// lanes per row) for tuning sweeps (tools/cuda_tune.py); read on every call, the
+// same for every kernel, so they keep giving each other's bits.
 template <typename PoolT>
 inline RowMap step_row_map(int64_t n) {
-  return make_row_map(n, vec_of<PoolT>(), step_chunks_per_batch<PoolT>());
+  int per_batch = step_chunks_per_batch<PoolT>();
+  if (const char* env = std::getenv("TORCH_SSD_CUDA_CHUNKS")) {
+    const int v = std::atoi(env);
+    if (v >= 1 && v < per_batch) per_batch = v;
+  }
+  return make_row_map(n, vec_of<PoolT>(), per_batch);
 }
 
 // Whether every row along the last dim of t starts on a 16-byte boundary and has
