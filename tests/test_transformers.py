@@ -92,6 +92,30 @@ def test_greedy_generation_matches_unpatched():
     assert counter.calls.get("decode_step", 0) == (NEW_TOKENS - 1) * NUM_LAYERS
 
 
+def test_decode_step_is_detected_on_caches_without_past_recording():
+    # Caches of transformers releases without past-state recording have no
+    # is_recording_past (seen on the GPU machine's image); with it, recording wins.
+    from torch_ssd.integrations.transformers import _is_decode_step
+
+    class OldCache:
+        def get_conv_state(self, layer, state_idx=0):
+            return torch.zeros(1)
+
+        def get_recurrent_state(self, layer, state_idx=0):
+            return torch.zeros(1)
+
+    class RecordingCache(OldCache):
+        def is_recording_past(self, layer):
+            return True
+
+    mixer = torch.nn.Module()
+    mixer.layer_idx = 0
+    one_token = torch.zeros(2, 1, 8)
+    assert _is_decode_step(mixer, one_token, OldCache())
+    assert not _is_decode_step(mixer, one_token, RecordingCache())
+    assert not _is_decode_step(mixer, torch.zeros(2, 3, 8), OldCache())
+
+
 def test_decode_logits_and_cache_state_match_unpatched():
     ids = prompt(batch=3, seed=2)
     ref_model = tiny_model()

@@ -83,7 +83,10 @@ def _is_decode_step(mixer: nn.Module, hidden_states: torch.Tensor, cache) -> boo
     if cache is None or hidden_states.shape[1] != 1:
         return False
     layer = mixer.layer_idx
-    if cache.is_recording_past(layer):
+    # A cache recording its past states keeps the original path; caches of
+    # transformers releases without that mode have no is_recording_past at all.
+    recording = getattr(cache, "is_recording_past", None)
+    if recording is not None and recording(layer):
         return False
     return cache.get_conv_state(layer, state_idx=0) is not None and \
         cache.get_recurrent_state(layer, state_idx=0) is not None
