@@ -63,6 +63,13 @@ SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, i
   return reduce_lanes(lanes);
 }
 
+// Ask for the cache lines of a unit-stride row of n elements (into L2 and outward).
+template <typename T>
+SSD_CPU_INLINE void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // The fused step for the (row, head) pairs [begin, end). The per-channel work
 // (x, dt, A, D, z, y) is done a head at a time over rows of P channels, so it
 // vectorises and its dtype dispatch is paid once per head, not once per channel.
@@ -118,7 +125,18 @@ SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64
     const int64_t ps = s.pool_stride[2];
     const PoolT* in = pool + s.pool_offset(src, h, 0);
     PoolT* out = pool + s.pool_offset(dst, h, 0);
+    // The next pair's source rows are requested a row at a time alongside this
+    // pair's: its slot is random, so no hardware prefetcher sees it coming.
+    const PoolT* next_in = nullptr;
+    if constexpr (kUnit) {
+      if (th + 1 < end) {
+        const int64_t tn = (th + 1) / s.H;
+        const int64_t src_n = s.src.slot(tn, tn);
+        if (slot_addressable(src_n, s.S, s.pad_slot_id)) next_in = pool + s.pool_offset(src_n, (th + 1) % s.H, 0);
+      }
+    }
     for (int64_t p = 0; p < P; ++p) {
+      if (next_in != nullptr) prefetch_row(next_in + p * ps, N);
       if constexpr (kAPerN)
         widen_row_ordered<PoolT>(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
       const float dA_p = kAPerN || N == 0 ? 0.0f : dA[p];
