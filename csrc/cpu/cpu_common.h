@@ -91,6 +91,15 @@ SSD_CPU_INLINE void widen_row(const OperandRef& r, int64_t offset, int64_t strid
   widen_row_ordered<float>(r, offset, stride, n, out);
 }
 
+// Ask for the cache lines of a unit-stride row of n elements (into L2 and outward).
+// The step kernels request a (row, head) pair's rows one pair ahead: slots are
+// random, so no hardware prefetcher sees them coming.
+template <typename T>
+SSD_CPU_INLINE void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // The helpers below take and return vectors; always inlined, so GCC's note
 // about the AVX calling convention (-Wpsabi) does not apply.
 #if !defined(__clang__)

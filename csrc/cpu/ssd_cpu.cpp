@@ -63,13 +63,6 @@ SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, i
   return reduce_lanes(lanes);
 }
 
-// Ask for the cache lines of a unit-stride row of n elements (into L2 and outward).
-template <typename T>
-SSD_CPU_INLINE void prefetch_row(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
-}
-
 // The fused step for the (row, head) pairs [begin, end). The per-channel work
 // (x, dt, A, D, z, y) is done a head at a time over rows of P channels, so it
 // vectorises and its dtype dispatch is paid once per head, not once per channel.

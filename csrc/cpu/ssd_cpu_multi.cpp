@@ -122,6 +122,14 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
       continue;
     }
     const int64_t* dst = plan.dst.data() + t * Kmax;
+    // The next pair's source rows, requested a row at a time alongside this pair's.
+    const PoolT* next_in = nullptr;
+    if constexpr (kUnit) {
+      if (th + 1 < end) {
+        const RowPlan& next = plan.rows[(th + 1) / s.H];
+        if (!next.pad && next.tokens.count > 0) next_in = pool + s.pool_offset(next.src, (th + 1) % s.H, 0);
+      }
+    }
     if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
       for (int64_t k = 0; k < count; ++k) {
         const StepParams& v = views[k];
@@ -132,6 +140,7 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
     }
 
     for (int64_t p = 0; p < s.P; ++p) {
+      if (next_in != nullptr) prefetch_row(next_in + p * s.pool_stride[2], N);
       // Per-token channel scalars. Per-head dt / dt_bias / A (stride 0 over P) give
       // the same value for every p: evaluate softplus and exp once per head.
       // N == 0: A is empty and nothing decays; never read it.
