@@ -147,11 +147,10 @@ def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, 
     return row
 
 
-def print_rows(rows, copy_Bps, inplace_Bps=None, out=sys.stdout):
+def print_rows(rows, copy_Bps, inplace_Bps, out=sys.stdout):
     print(f"copy bandwidth (same run): {copy_Bps / 1e9:.1f} GB/s", file=out)
-    if inplace_Bps:
-        print(f"in-place bandwidth (same run): {inplace_Bps / 1e9:.1f} GB/s (%floor is against the copy; on a CPU "
-              f"the copy also reads its destination, so the in-place figure is the stricter floor)", file=out)
+    print(f"in-place bandwidth (same run): {inplace_Bps / 1e9:.1f} GB/s (%floor is against the copy; on a CPU "
+          f"the copy also reads its destination, so the in-place figure is the stricter floor)", file=out)
     head = (f"{'shape':>16} {'pool':>5} {'K':>2} {'T':>4} {'multi us':>10} {'GB/s':>7} {'%floor':>7} "
             f"{'graph us':>9} {'%floor':>7} {'K singles us':>13} {'speedup':>8} {'ref ms':>8} {'comp ms':>8} "
             f"{'ref/multi':>9}")

@@ -100,6 +100,17 @@ SSD_CPU_INLINE void prefetch_row(const T* row, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
+// Where the state rows of (row, head) pair th + 1 start, for prefetch_row; nullptr
+// past `end`, for a strided pool, or when that pair's source slot (src_of(row)) is
+// not addressable.
+template <bool kUnit, typename PoolT, typename SrcOf>
+SSD_CPU_INLINE const PoolT* next_pair_rows(const StepParams& s, const PoolT* pool, int64_t th, int64_t end,
+                                           SrcOf&& src_of) {
+  if (!kUnit || th + 1 >= end) return nullptr;
+  const int64_t src = src_of((th + 1) / s.H);
+  return slot_addressable(src, s.S, s.pad_slot_id) ? pool + s.pool_offset(src, (th + 1) % s.H, 0) : nullptr;
+}
+
 // The helpers below take and return vectors; always inlined, so GCC's note
 // about the AVX calling convention (-Wpsabi) does not apply.
 #if !defined(__clang__)

@@ -118,16 +118,9 @@ SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64
     const int64_t ps = s.pool_stride[2];
     const PoolT* in = pool + s.pool_offset(src, h, 0);
     PoolT* out = pool + s.pool_offset(dst, h, 0);
-    // The next pair's source rows are requested a row at a time alongside this
-    // pair's: its slot is random, so no hardware prefetcher sees it coming.
-    const PoolT* next_in = nullptr;
-    if constexpr (kUnit) {
-      if (th + 1 < end) {
-        const int64_t tn = (th + 1) / s.H;
-        const int64_t src_n = s.src.slot(tn, tn);
-        if (slot_addressable(src_n, s.S, s.pad_slot_id)) next_in = pool + s.pool_offset(src_n, (th + 1) % s.H, 0);
-      }
-    }
+    // The next pair's source rows, requested a row at a time alongside this pair's.
+    const PoolT* next_in =
+        next_pair_rows<kUnit>(s, pool, th, end, [&](int64_t row) { return s.src.slot(row, row); });
     for (int64_t p = 0; p < P; ++p) {
       if (next_in != nullptr) prefetch_row(next_in + p * ps, N);
       if constexpr (kAPerN)

@@ -123,13 +123,9 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
     }
     const int64_t* dst = plan.dst.data() + t * Kmax;
     // The next pair's source rows, requested a row at a time alongside this pair's.
-    const PoolT* next_in = nullptr;
-    if constexpr (kUnit) {
-      if (th + 1 < end) {
-        const RowPlan& next = plan.rows[(th + 1) / s.H];
-        if (!next.pad && next.tokens.count > 0) next_in = pool + s.pool_offset(next.src, (th + 1) % s.H, 0);
-      }
-    }
+    const PoolT* next_in = next_pair_rows<kUnit>(s, pool, th, end, [&](int64_t row) {
+      return plan.rows[row].pad ? kNoSlot : plan.rows[row].src;
+    });
     if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
       for (int64_t k = 0; k < count; ++k) {
         const StepParams& v = views[k];
