@@ -176,10 +176,38 @@ SSD_HD void load_unit(const T* p, float (&r)[VEC]) {
   for (int v = 0; v < VEC; ++v) r[v] = widen(p[v]);
 }
 
+#if defined(__CUDA_ARCH__)
+// Two adjacent elements rounded by one conversion (cvt.rn.bf16x2 / f16x2: the same
+// round-to-nearest-even, and the same NaN, as two single conversions), packed
+// into one 32-bit word, the first element in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t narrow_pair(float first, float second) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(first, second);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    static_assert(std::is_same_v<T, c10::Half>, "16-bit element types only");
+    const __half2 v = __floats2half2_rn(first, second);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+#endif
+
 template <int VEC, typename T>
 SSD_HD void store_unit(T* p, const float (&r)[VEC]) {
 #if defined(__CUDA_ARCH__)
-  if constexpr ((VEC * sizeof(T)) % 16 == 0) {
+  if constexpr ((VEC * sizeof(T)) % 16 == 0 && sizeof(T) == 2) {
+#pragma unroll
+    for (int i = 0; i < VEC / 8; ++i) {
+      uint4 raw;
+      raw.x = narrow_pair<T>(r[8 * i], r[8 * i + 1]);
+      raw.y = narrow_pair<T>(r[8 * i + 2], r[8 * i + 3]);
+      raw.z = narrow_pair<T>(r[8 * i + 4], r[8 * i + 5]);
+      raw.w = narrow_pair<T>(r[8 * i + 6], r[8 * i + 7]);
+      reinterpret_cast<uint4*>(p)[i] = raw;
+    }
+    return;
+  } else if constexpr ((VEC * sizeof(T)) % 16 == 0) {
     constexpr int kPer16 = 16 / sizeof(T);
 #pragma unroll
     for (int i = 0; i < VEC / kPer16; ++i) {
