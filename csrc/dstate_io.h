@@ -510,6 +510,59 @@ __device__ __forceinline__ void stage_wait_prior() {
 #endif
 }
 
+// A unit-stride chunk of a read-only row that many threads of a block share (B and
+// C): vector loads through the non-coherent cache, so the block's other rows hit
+// L1. p is aligned to min(16, VEC * sizeof(T)) bytes (checked on the host).
+template <int VEC, typename T>
+__device__ __forceinline__ void load_unit_shared(const T* p, float (&r)[VEC]) {
+  constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+    constexpr int kPer16 = 16 / sizeof(T);
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer16; ++j) r[i * kPer16 + j] = widen(e[j]);
+    }
+  } else if constexpr (kBytes == 8) {
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) r[j] = widen(e[j]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) r[v] = widen(p[v]);
+  }
+}
+
+// One 16-byte chunk of a unit-stride row held as its raw bits (4 registers for 8
+// bfloat16 elements, where widened floats take 8): the state of the lean kernel
+// between its load and its use, and between its rounding and its store.
+template <typename T>
+__device__ __forceinline__ uint4 load_chunk_raw(const T* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_chunk_raw(T* p, uint4 raw) {
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void widen_chunk(uint4 raw, float (&r)[VEC]) {
+  static_assert(VEC * sizeof(T) == 16, "one chunk is 16 bytes");
+  load_unit<VEC>(reinterpret_cast<const T*>(&raw), r);
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ uint4 narrow_chunk(const float (&r)[VEC]) {
+  static_assert(VEC * sizeof(T) == 16, "one chunk is 16 bytes");
+  uint4 raw;
+  store_unit<VEC>(reinterpret_cast<T*>(&raw), r);
+  return raw;
+}
+
 // Widen a staged chunk.
 template <int VEC, typename T>
 __device__ __forceinline__ void load_staged(const void* smem, float (&r)[VEC]) {

@@ -209,6 +209,52 @@ def test_big_shape_matches_reference(pool_dtype):
     assert_step_matches_reference(inputs, before, y)
 
 
+# Every CUDA decode-step kernel and launch choice (tools/cuda_tune.py's knobs): the
+# defaults pick among them by shape and dtype, so each must give the same bits.
+KERNEL_CHOICES = [
+    {},
+    {"TORCH_SSD_CUDA_KERNEL": "block"},
+    {"TORCH_SSD_CUDA_KERNEL": "block", "TORCH_SSD_CUDA_STAGE": "0"},
+    {"TORCH_SSD_CUDA_KERNEL": "pipe"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "1", "TORCH_SSD_CUDA_WARPS": "1"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_WARPS": "2"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_WARPS": "8", "TORCH_SSD_CUDA_PDL": "0"},
+]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("shape", [(5, 3, 24, 64, 1), (7, 4, 40, 128, 2), (2, 2, 8, 256, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bc_dtype", [torch.bfloat16, torch.float32], ids=["bc_bf16", "bc_f32"])
+def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, monkeypatch):
+    """Serving-style inputs (per-head A / dt / D / dt_bias broadcast along P, rows that
+    split evenly over lanes) with pad rows and a shared destination slot, P not a
+    multiple of any tile: every kernel choice matches the reference and the others."""
+    T, H, P, N, G = shape
+    inputs = make_inputs(None, T, H, P, N, G, device="cuda", pool_dtype=pool_dtype, dtype=torch.bfloat16,
+                         dtypes={"B": bc_dtype, "C": bc_dtype}, slots="dst", pad_rows=(1,),
+                         dst_pad_rows=(T - 2,), per_head=True, seed=11)
+    inputs = apply_layout(inputs, "broadcast")
+    inputs["dst_slot_idx"][0] = inputs["dst_slot_idx"][T - 1]  # row T-1 writes, row 0 only computes y
+    pool0 = inputs["ssm_pool"].clone()
+    first = None
+    for env in KERNEL_CHOICES:
+        for key in ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_LEAN_ROWS",
+                    "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PDL"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        inputs["ssm_pool"].copy_(pool0)
+        y = torch.ops.ssd.decode_step(*step_args(inputs))
+        got = (y, inputs["ssm_pool"].clone())
+        if first is None:
+            assert_step_matches_reference(inputs, pool0, y)
+            first = got
+        else:
+            assert torch.equal(got[0], first[0]), f"y differs with {env}"
+            assert torch.equal(got[1], first[1]), f"pool differs with {env}"
+
+
 def test_runs_on_the_current_stream():
     """The op is ordered after work queued on the current (non-default) stream."""
     inputs = _step_inputs(4, 4, 16, 64, 2, torch.float32)

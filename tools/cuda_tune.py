@@ -12,6 +12,11 @@ A config names the kernel and its knobs, joined by '-':
     wW         warps per block (TORCH_SSD_CUDA_WARPS)
     cC         C chunks of 16 bytes per lane and row (TORCH_SSD_CUDA_CHUNKS; changes the
                mapping along N and so the bits: expect "DIFFERS" against other mappings)
+  lean         the lean kernel where it applies (the default; TORCH_SSD_CUDA_KERNEL unset)
+    rR         rows per thread, 1 or 2 (TORCH_SSD_CUDA_LEAN_ROWS)
+    wW         warps per block (TORCH_SSD_CUDA_WARPS)
+    pP         programmatic dependent launch on (1) / off (0) (TORCH_SSD_CUDA_PDL)
+    cC         as for block
   pipe         the pipelined kernel (TORCH_SSD_CUDA_KERNEL=pipe)
     wW         warps per block (TORCH_SSD_CUDA_PIPE_WARPS)
     bB         at most B resident blocks per multiprocessor (TORCH_SSD_CUDA_BPSM)
@@ -43,16 +48,19 @@ from torch_ssd import bench
 
 
 KNOBS = ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PIPE_WARPS",
-         "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES", "TORCH_SSD_CUDA_CHUNKS")
+         "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES", "TORCH_SSD_CUDA_CHUNKS", "TORCH_SSD_CUDA_LEAN_ROWS",
+         "TORCH_SSD_CUDA_PDL")
 
 
 def parse_config(text: str) -> dict[str, str]:
     """'pipe-w8-b2' -> the environment variables it stands for (see the module docstring)."""
     kernel, *knobs = text.split("-")
-    if kernel not in ("block", "pipe"):
+    if kernel not in ("block", "pipe", "lean"):
         raise SystemExit(f"cuda_tune: unknown kernel in config {text!r}")
-    env = {"TORCH_SSD_CUDA_KERNEL": kernel}
+    env = {} if kernel == "lean" else {"TORCH_SSD_CUDA_KERNEL": kernel}
     names = {("block", "c"): "TORCH_SSD_CUDA_CHUNKS", ("pipe", "c"): "TORCH_SSD_CUDA_CHUNKS",
+             ("lean", "c"): "TORCH_SSD_CUDA_CHUNKS", ("lean", "r"): "TORCH_SSD_CUDA_LEAN_ROWS",
+             ("lean", "w"): "TORCH_SSD_CUDA_WARPS", ("lean", "p"): "TORCH_SSD_CUDA_PDL",
              ("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
              ("pipe", "w"): "TORCH_SSD_CUDA_PIPE_WARPS", ("pipe", "b"): "TORCH_SSD_CUDA_BPSM",
              ("pipe", "n"): "TORCH_SSD_CUDA_PIPE_STAGES"}
@@ -69,7 +77,7 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
     ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--T", nargs="+", type=int, default=[1, 16, 64, 256])
-    ap.add_argument("--configs", nargs="+", default=["block", "pipe", "pipe-w2", "pipe-w8"])
+    ap.add_argument("--configs", nargs="+", default=["lean", "block", "pipe"])
     ap.add_argument("--seconds", type=float, default=0.15)
     args = ap.parse_args()
     device = torch.device("cuda")

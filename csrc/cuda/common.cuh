@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 // dstate_io.h's vector paths return early, leaving the scalar loop after them
 // unreachable in device code: that is by design.
@@ -82,15 +83,17 @@ constexpr int step_chunks_per_batch() {
   return sizeof(PoolT) == 4 ? 8 : 4;
 }
 
-// TORCH_SSD_CUDA_CHUNKS=1..step_chunks_per_batch lowers the chunks per lane (more
-// lanes per row) for tuning sweeps (tools/cuda_tune.py); read on every call, the
-// same for every kernel, so they keep giving each other's bits.
+// TORCH_SSD_CUDA_CHUNKS=1..8 sets the chunks per lane (fewer: more lanes per row)
+// for tuning sweeps (tools/cuda_tune.py); read on every call, the same for every
+// kernel, so they keep giving each other's bits.
+constexpr int kMaxChunksPerLaneKnob = 8;
+
 template <typename PoolT>
 inline RowMap step_row_map(int64_t n) {
   int per_batch = step_chunks_per_batch<PoolT>();
   if (const char* env = std::getenv("TORCH_SSD_CUDA_CHUNKS")) {
     const int v = std::atoi(env);
-    if (v >= 1 && v < per_batch) per_batch = v;
+    if (v >= 1 && v <= kMaxChunksPerLaneKnob) per_batch = v;
   }
   return make_row_map(n, vec_of<PoolT>(), per_batch);
 }
@@ -142,6 +145,45 @@ inline int num_sms() {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Programmatic dependent launch (sm_90+): a kernel launched with it may be
+// scheduled while the kernel before it in the stream finishes, and waits for that
+// kernel's results (wait_for_prior_grid) only where it first reads or writes global
+// memory -- what it hides is the launch gap between back-to-back steps. On by default
+// where the device has it; TORCH_SSD_CUDA_PDL=0 turns it off (read on every call).
+inline bool use_pdl() {
+  if (const char* env = std::getenv("TORCH_SSD_CUDA_PDL")) {
+    if (env[0] == '0') return false;
+  }
+  constexpr int kMaxDevices = 64;
+  static int major[kMaxDevices] = {};
+  const int device = c10::cuda::current_device();
+  if (device >= kMaxDevices) return false;
+  if (major[device] == 0) {
+    int value = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device));
+    major[device] = value;
+  }
+  return major[device] >= 9;
+}
+
+// Launch `kernel` on `stream`, with programmatic dependent launch when pdl is set
+// (the kernel must then call wait_for_prior_grid before its first global access).
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // Raise a kernel's dynamic shared-memory limit when a large N needs more than the
 // default 48 KB (not a stream operation: safe during graph capture).
 template <typename Kernel>
@@ -168,6 +210,21 @@ __device__ __forceinline__ bool warp_last_writer(const SlotRef& dst_idx, const S
       later = true;
   }
   return !__any_sync(kFullMask, later);
+}
+
+// Programmatic dependent launch, device side (no-ops before sm_90): wait until the
+// previous kernel in the stream has finished and its writes are visible; let the
+// next kernel's blocks be scheduled once every block of this one has said so.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // Chunk c of B and C from their widened float32 rows in shared memory (16-byte

@@ -1,17 +1,21 @@
 // The fused decode step on CUDA (DESIGN.md sections 2, 3, 5, 6).
 //
-// Two kernels, one result. decode_step_kernel: one block per (row t, head h,
-// block of head-dim rows p); each thread owns one p row -- its per-channel scalars
-// (dt, x, the decay) are computed once -- and a few chunks of it along N (the RowMap
-// of common.cuh), whose 16-byte loads are all issued before the first is used; B
-// and C of (t, group) are widened once per block into shared memory.
-// decode_step_pipelined (the common case of 16-bit pools): a resident grid walks
-// the same tiles, with the next tile's rows in flight while the current one is
-// computed. Both share the thread mapping and the per-row sum over N -- each
-// lane's chunks in turn, then a shuffle tree over the row's lanes -- with the
-// scalar gather path, so every layout and both kernels give the same bits.
+// Three kernels, one result. decode_step_lean (the serving engines' case, the
+// default wherever it applies): one warp per tile of rows, B and C read straight
+// into registers, nothing but the step's own work per row. decode_step_kernel
+// (every other layout: strided rows, a tail along N, A per element): one block per
+// (row t, head h, block of head-dim rows p); each thread owns one p row -- its
+// per-channel scalars (dt, x, the decay) are computed once -- and a few chunks of it
+// along N (the RowMap of common.cuh), whose 16-byte loads are all issued before the
+// first is used; B and C of (t, group) are widened once per block into shared
+// memory. decode_step_pipelined (16-bit pools where the lean one does not apply): a
+// resident grid walks the same tiles, with the next tile's rows in flight while the
+// current one is computed. All share the thread mapping and the per-row sum over N
+// -- each lane's chunks in turn, then a shuffle tree over the row's lanes -- with the
+// scalar gather path, so every layout and every kernel give the same bits.
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "common.cuh"
@@ -400,6 +404,147 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// ---------------------------------------------------------------------------
+// The lean kernel: the serving engines' case -- unit-stride rows that split evenly
+// over a row's lanes (4 or 8 chunks each), A broadcast along N, B and C unit-stride
+// along N, and x, z, dt, B, C (and so y) of one type, bfloat16 or float32 -- with
+// little but the step's own work per row. One tile of rows per block, as in
+// decode_step_kernel, but:
+//   * B and C chunks go straight from global memory into registers (vector loads
+//     through L1, where the block's other rows find them): no shared memory, no
+//     barrier, so a block may be a single warp and start its row loads as soon as
+//     the slot index is in;
+//   * the state is held as loaded (raw 16-bit chunks take half the registers of
+//     widened ones) and every row is computed before anything is stored (no store
+//     between the loads lets the compiler hoist them all);
+//   * the grid is (head, row t, tile along P): no index division;
+//   * a thread may own kRows rows of the tile (rows_per_pass apart): kRows times
+//     the bytes in flight per thread, each B / C chunk serving kRows rows;
+//   * programmatic dependent launch on sm_90: back-to-back steps overlap their
+//     launch gaps.
+// Mapping along N, per-element arithmetic and reduction order are
+// decode_step_kernel's: the same bits (tests/test_cuda.py checks every choice).
+// ---------------------------------------------------------------------------
+
+struct LeanLaunch {
+  RowMap map;
+  int rows_per_pass = 0;  // rows the block covers at once: warps * rows_per_warp
+  uint32_t heads_per_group = 1;
+};
+
+// x, z, dt and y in the inputs' type InT (what the host checked), the rest as
+// decode_step_kernel reads them.
+template <typename InT>
+__device__ __forceinline__ float load_in(const OperandRef& o, int64_t t, int64_t h, int64_t p) {
+  return widen(static_cast<const InT*>(o.data)[t * o.stride[0] + h * o.stride[1] + p * o.stride[2]]);
+}
+
+template <typename InT>
+__device__ __forceinline__ ChannelInputs load_channel_in(const StepParams& s, int64_t t, int64_t h, int64_t p) {
+  ChannelInputs in;
+  in.x = load_in<InT>(s.x, t, h, p);
+  in.dt = load_in<InT>(s.dt, t, h, p);
+  if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p);
+  if (s.D.present()) in.D = s.D.at(h, p);
+  if (s.z.present()) in.z = load_in<InT>(s.z, t, h, p);
+  return in;
+}
+
+// InT: the type of x, z, dt, B, C and y (one type: the host checked).
+template <typename PoolT, typename InT, int kRows, int KB>
+__global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 32 ? 4 : 2)
+    decode_step_lean(const __grid_constant__ StepParams s, const LeanLaunch L) {
+  constexpr int VEC = vec_of<PoolT>();
+  // KB: the chunks per lane of the row map (host-checked), a compile-time count.
+  const RowMap& m = L.map;
+  const uint32_t h = blockIdx.x, t = blockIdx.y;
+  const uint32_t g = h / L.heads_per_group;
+  const int li = threadIdx.x & (m.lanes - 1);
+  const int64_t p_first = static_cast<int64_t>(blockIdx.z) * (kRows * L.rows_per_pass) + (threadIdx.x >> m.lanes_log2);
+  auto y_at = [&](int64_t p) {
+    return static_cast<InT*>(s.y) + (t * s.y_stride[0] + h * s.y_stride[1] + p * s.y_stride[2]);
+  };
+
+  wait_for_prior_grid();
+  allow_next_grid();
+  const int64_t src = s.src.slot(t, t);
+
+  // What does not depend on the slot is fetched while the slot index is in flight.
+  int64_t p[kRows];
+  bool valid[kRows];
+  ChannelInputs in[kRows];
+  float a[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t pr = p_first + static_cast<int64_t>(r) * L.rows_per_pass;
+    valid[r] = pr < s.P;
+    p[r] = valid[r] ? pr : 0;  // a readable row for the per-channel loads
+    in[r] = load_channel_in<InT>(s, t, h, p[r]);
+    a[r] = s.A.at(h, p[r]);
+  }
+  if (!slot_addressable(src, s.S, s.pad_slot_id)) {  // pad row: y = 0, the pool untouched
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (li == 0 && valid[r]) *y_at(p[r]) = narrow<InT>(0.0f);
+    return;
+  }
+  PoolT* pool = static_cast<PoolT*>(s.pool);
+  uint4 st[kRows][KB];  // the state chunks as stored: widened one at a time, when used
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const PoolT* row = pool + s.pool_offset(src, h, p[r]);
+#pragma unroll
+    for (int j = 0; j < KB; ++j)
+      if (valid[r]) st[r][j] = load_chunk_raw(row + (j * m.lanes + li) * VEC);
+  }
+
+  // The whole row is computed before anything is stored, so that the compiler may
+  // hoist every B / C load above the arithmetic (a store in between could alias them).
+  const InT* b_row = static_cast<const InT*>(s.B.data) + t * s.B.stride[0] + g * s.B.stride[1];
+  const InT* c_row = static_cast<const InT*>(s.C.data) + t * s.C.stride[0] + g * s.C.stride[1];
+  float dA[kRows], dtx[kRows], acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float dtv = channel_dt(s, in[r]);
+    dtx[r] = dtv * in[r].x;
+    dA[r] = decay(a[r], dtv);
+    acc[r] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < KB; ++j) {
+    const int c = j * m.lanes + li;
+    float b[VEC], cc[VEC];
+    load_unit_shared<VEC>(b_row + c * VEC, b);
+    load_unit_shared<VEC>(c_row + c * VEC, cc);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float x[VEC];
+      widen_chunk<VEC, PoolT>(st[r][j], x);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        x[v] = advance(x[v], dA[r], dtx[r], b[v]);
+        acc[r] = accumulate_y(acc[r], x[v], cc[v]);
+      }
+      st[r][j] = narrow_chunk<VEC, PoolT>(x);
+    }
+  }
+
+  const int64_t dst = s.dst.slot(t, t);
+  // Every lane of the warp takes part in the vote, whether or not its rows exist.
+  const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (valid[r] && last) {
+      PoolT* row = pool + s.pool_offset(dst, h, p[r]);
+#pragma unroll
+      for (int j = 0; j < KB; ++j)
+        store_chunk_raw(row + (j * m.lanes + li) * VEC, st[r][j]);
+    }
+    const float sum = row_sum(acc[r], m.lanes);
+    if (li == 0 && valid[r]) *y_at(p[r]) = narrow<InT>(finish_y(s, sum, in[r]));
+  }
+}
+
 // Warps per block. TORCH_SSD_CUDA_WARPS=1..8 overrides the heuristic (for tuning
 // runs; read on every call so that one process can sweep it).
 int pick_warps(const Dims& d, const RowMap& m, int elem_size) {
@@ -440,15 +585,22 @@ void launch(const StepParams& s, StepLaunch L, int W, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Which kernel: TORCH_SSD_CUDA_KERNEL=block / =pipe forces one (for comparisons;
-// the pipelined one only where it applies). By default the pipelined one for
-// 16-bit pools, the block kernel for float32 pools: what measured faster on an
-// H200 (BENCHMARKS.md).
+// Which kernel: the lean one wherever it applies (12-22 points of copy bandwidth
+// above the others at T >= 16 on an H200, BENCHMARKS.md). Elsewhere the pipelined
+// one for 16-bit pools, the block kernel for float32 pools.
+// TORCH_SSD_CUDA_KERNEL=block / =pipe forces one (for comparisons; the pipelined one
+// only where it applies).
 bool want_pipelined(Dtype pool_dtype) {
   const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
   if (env && std::string(env) == "block") return false;
   if (env && std::string(env) == "pipe") return true;
   return pool_dtype != Dtype::kFloat32;
+}
+
+// TORCH_SSD_CUDA_KERNEL=block / =pipe turn the lean kernel off.
+bool want_lean() {
+  const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
+  return !(env && (std::string(env) == "block" || std::string(env) == "pipe"));
 }
 
 // Warps per block of the pipelined kernel (TORCH_SSD_CUDA_PIPE_WARPS=1..8 overrides).
@@ -480,7 +632,7 @@ int pick_pipe_stages() {
 template <typename PoolT>
 bool pipelined_applies(const Dims& d, const RowMap& m, bool unit, bool a_per_n, int stages, int threads) {
   return unit && !a_per_n && d.N > 0 && m.rest == 0 && m.nfull == m.lanes * m.chunks_per_lane &&
-         d.N <= static_cast<int64_t>(kMaxBCPerThread) * threads &&
+         m.chunks_per_lane <= step_chunks_per_batch<PoolT>() && d.N <= static_cast<int64_t>(kMaxBCPerThread) * threads &&
          pipe_smem_bytes<PoolT>(stages, threads, static_cast<int>(d.N)) <= 227 * 1024;
 }
 
@@ -515,6 +667,73 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1 or 2 forces it. By
+// default 2 for float32 pools where the step has enough tiles to spread over every
+// multiprocessor, else 1 (measured on an H200, BENCHMARKS.md "2026-11-30, lean
+// kernel": with float32 pools 2 rows gained 3.5-6 points of copy bandwidth at
+// T = 256 and lost up to 1.5 at T <= 64; with 16-bit pools, whose rows are half the
+// bytes, 1 row was 2-5 points better at T = 64).
+int pick_lean_rows(const Dims& d, const RowMap& m, int W, int elem_size) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ROWS");
+  const int forced = env ? std::atoi(env) : 0;
+  if (forced == 1 || forced == 2) return forced;
+  if (elem_size != 4) return 1;
+  const int64_t pass = static_cast<int64_t>(W) * m.rows_per_warp();
+  const int64_t tiles2 = (d.P + 2 * pass - 1) / (2 * pass);
+  return d.T * d.H * tiles2 >= 4 * static_cast<int64_t>(num_sms()) ? 2 : 1;
+}
+
+// Warps per block of the lean kernel (TORCH_SSD_CUDA_WARPS=1..8 overrides): one. Its
+// blocks share nothing, and the smallest ones measured best (a block's slot is
+// refilled as soon as its one warp is done): on an H200 at T = 16 and 64, 1 warp
+// per block measured 1-7 points of copy bandwidth above 2, and 2 warps 1-4 above 4.
+int pick_lean_warps() {
+  const char* env = std::getenv("TORCH_SSD_CUDA_WARPS");
+  const int forced = env ? std::atoi(env) : 0;
+  if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
+  return 1;
+}
+
+// Whether an operand's rows along N (its last dim) can be read in chunks of vec
+// elements with aligned vector loads (load_unit_shared).
+bool chunk_rows_aligned(const Tensor& t, int vec) {
+  const int64_t align = std::min<int64_t>(16, static_cast<int64_t>(vec) * t.element_size());
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % align != 0) return false;
+  const int64_t d = t.dim();
+  if (t.size(d - 1) > 1 && t.stride(d - 1) != 1) return false;
+  for (int64_t i = 0; i + 1 < d; ++i)
+    if (t.size(i) > 1 && (t.stride(i) * t.element_size()) % align != 0) return false;
+  return true;
+}
+
+bool same_type(std::initializer_list<Tensor> tensors, const Tensor& like) {
+  for (const Tensor& t : tensors)
+    if (t.scalar_type() != like.scalar_type()) return false;
+  return true;
+}
+
+// Whether the lean kernel covers this call (see its comment).
+template <typename PoolT>
+bool lean_applies(const Dims& d, const RowMap& m, bool unit, bool a_per_n, const Tensor& x, const Tensor& dt,
+                  const Tensor& B, const Tensor& C, const OptTensor& z, const Tensor& y) {
+  constexpr int VEC = vec_of<PoolT>();
+  return unit && !a_per_n && d.N > 0 && m.rest == 0 && m.nfull == m.lanes * m.chunks_per_lane &&
+         (m.chunks_per_lane == 4 || m.chunks_per_lane == 8) && x.scalar_type() != at::kHalf && d.T <= 65535 && d.P <= 65535 &&
+         d.H < (int64_t{1} << 31) && same_type({B, C, dt, y}, x) && (!z.has_value() || same_type({*z}, x)) &&
+         chunk_rows_aligned(B, VEC) && chunk_rows_aligned(C, VEC);
+}
+
+template <typename PoolT, typename InT, int kRows, int KB>
+void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
+  LeanLaunch L;
+  L.map = map;
+  L.rows_per_pass = W * map.rows_per_warp();
+  L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
+  const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
+  const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(d.T), static_cast<unsigned>(tiles));
+  launch_kernel(decode_step_lean<PoolT, InT, kRows, KB>, grid, dim3(W * kWarp), 0, stream, use_pdl(), s, L);
+}
+
 void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
                const Tensor& B, const Tensor& C, const OptTensor& D, const OptTensor& z,
                const OptTensor& dt_bias, bool dt_softplus, const OptTensor& slot_idx,
@@ -529,6 +748,25 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
   with_elem_type(s.pool_dtype, [&](auto tag) {
     using PoolT = decltype(tag);
     const RowMap map = step_row_map<PoolT>(d.N);
+    if (want_lean() && lean_applies<PoolT>(d, map, unit, a_per_n, x, dt, B, C, z, y)) {
+      const int W = pick_lean_warps();
+      const int rows = pick_lean_rows(d, map, W, static_cast<int>(sizeof(PoolT)));
+      auto with_in_type = [&](auto fn) {
+        if (s.B.dtype == Dtype::kBFloat16) fn(c10::BFloat16{});
+        else fn(float{});
+      };
+      with_in_type([&](auto in_tag) {
+        using InT = decltype(in_tag);
+        if (map.chunks_per_lane == 8) {
+          if (rows == 2) launch_lean<PoolT, InT, 2, 8>(d, s, map, W, stream);
+          else launch_lean<PoolT, InT, 1, 8>(d, s, map, W, stream);
+        } else {
+          if (rows == 2) launch_lean<PoolT, InT, 2, 4>(d, s, map, W, stream);
+          else launch_lean<PoolT, InT, 1, 4>(d, s, map, W, stream);
+        }
+      });
+      return;
+    }
     if (want_pipelined(s.pool_dtype)) {
       const int W = pick_pipe_warps(d, map);
       const int stages = pick_pipe_stages();
