@@ -156,7 +156,7 @@ for stage in "${STAGES[@]}"; do
         IFS=: read -r shape pool T config <<<"$case"
         run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" ncu --clock-control none --kernel-name regex:decode_step \
           --launch-skip 4 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-          --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+          --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
           "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config"
       done
       ;;
