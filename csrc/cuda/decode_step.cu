@@ -420,6 +420,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 //   * the grid is (head, row t, tile along P): no index division;
 //   * a thread may own kRows rows of the tile (rows_per_pass apart): kRows times
 //     the bytes in flight per thread, each B / C chunk serving kRows rows;
+//   * the per-row scalars are computed by one lane per row and shuffled to the
+//     row's lanes (see the kernel), and y is stored by those lanes, coalesced;
 //   * programmatic dependent launch on sm_90: back-to-back steps overlap their
 //     launch gaps.
 // Mapping along N, per-element arithmetic and reduction order are
@@ -451,6 +453,11 @@ __device__ __forceinline__ ChannelInputs load_channel_in(const StepParams& s, in
 }
 
 // InT: the type of x, z, dt, B, C and y (one type: the host checked).
+// Rows: a warp covers kRows * rows_per_warp (<= 32, host-checked) rows of its tile;
+// this thread's row r is row q = r * rows_per_warp + (lane / lanes) of the warp. The
+// per-row scalars (the per-channel loads, softplus, the decay, y) are computed once
+// per row, by lane q of the warp, and shuffled to the row's lanes: one pass of that
+// work serves up to 32 rows instead of each of a row's lanes repeating it.
 template <typename PoolT, typename InT, int kRows, int KB>
 __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 32 ? 4 : 2)
     decode_step_lean(const __grid_constant__ StepParams s, const LeanLaunch L) {
@@ -459,8 +466,15 @@ __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 3
   const RowMap& m = L.map;
   const uint32_t h = blockIdx.x, t = blockIdx.y;
   const uint32_t g = h / L.heads_per_group;
-  const int li = threadIdx.x & (m.lanes - 1);
-  const int64_t p_first = static_cast<int64_t>(blockIdx.z) * (kRows * L.rows_per_pass) + (threadIdx.x >> m.lanes_log2);
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int li = lane & (m.lanes - 1);
+  const int rpw_log2 = 5 - m.lanes_log2;  // rows per warp and pass: 32 / lanes
+  const int warp_rows = kRows << rpw_log2;
+  const int64_t warp_base = static_cast<int64_t>(blockIdx.z) * (kRows * L.rows_per_pass) +
+                            (static_cast<int64_t>(threadIdx.x >> 5) << rpw_log2);
+  auto p_of = [&](int q) {  // row q of this warp
+    return warp_base + static_cast<int64_t>(q >> rpw_log2) * L.rows_per_pass + (q & ((1 << rpw_log2) - 1));
+  };
   auto y_at = [&](int64_t p) {
     return static_cast<InT*>(s.y) + (t * s.y_stride[0] + h * s.y_stride[1] + p * s.y_stride[2]);
   };
@@ -469,24 +483,26 @@ __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 3
   allow_next_grid();
   const int64_t src = s.src.slot(t, t);
 
-  // What does not depend on the slot is fetched while the slot index is in flight.
+  // What does not depend on the slot is fetched while the slot index is in flight:
+  // this lane's own row's scalars (lanes past the warp's rows repeat some), and
+  // which rows it computes.
+  const int q_own = lane & (warp_rows - 1);
+  const int64_t p_own_any = p_of(q_own);
+  const bool own_valid = lane < warp_rows && p_own_any < s.P;
+  const int64_t p_own = p_own_any < s.P ? p_own_any : 0;  // a readable row for the loads
+  const ChannelInputs in = load_channel_in<InT>(s, t, h, p_own);
+  const float a_own = s.A.at(h, p_own);
   int64_t p[kRows];
   bool valid[kRows];
-  ChannelInputs in[kRows];
-  float a[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int64_t pr = p_first + static_cast<int64_t>(r) * L.rows_per_pass;
+    const int64_t pr = p_of((r << rpw_log2) + (lane >> m.lanes_log2));
     valid[r] = pr < s.P;
-    p[r] = valid[r] ? pr : 0;  // a readable row for the per-channel loads
-    in[r] = load_channel_in<InT>(s, t, h, p[r]);
-    a[r] = s.A.at(h, p[r]);
+    p[r] = valid[r] ? pr : 0;
   }
   if (!slot_addressable(src, s.S, s.pad_slot_id)) {  // pad row: y = 0, the pool untouched
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (li == 0 && valid[r]) *y_at(p[r]) = narrow<InT>(0.0f);
-    return;
+    if (own_valid) *y_at(p_own) = narrow<InT>(0.0f);
+    return;  // the whole block leaves (src is the block's): no shuffle is left waiting
   }
   PoolT* pool = static_cast<PoolT*>(s.pool);
   uint4 st[kRows][KB];  // the state chunks as stored: widened one at a time, when used
@@ -502,12 +518,15 @@ __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 3
   // hoist every B / C load above the arithmetic (a store in between could alias them).
   const InT* b_row = static_cast<const InT*>(s.B.data) + t * s.B.stride[0] + g * s.B.stride[1];
   const InT* c_row = static_cast<const InT*>(s.C.data) + t * s.C.stride[0] + g * s.C.stride[1];
+  const float dtv_own = channel_dt(s, in);
+  const float dtx_own = dtv_own * in.x;
+  const float dA_own = decay(a_own, dtv_own);
   float dA[kRows], dtx[kRows], acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float dtv = channel_dt(s, in[r]);
-    dtx[r] = dtv * in[r].x;
-    dA[r] = decay(a[r], dtv);
+    const int owner = (r << rpw_log2) + (lane >> m.lanes_log2);
+    dA[r] = __shfl_sync(kFullMask, dA_own, owner);
+    dtx[r] = __shfl_sync(kFullMask, dtx_own, owner);
     acc[r] = 0.0f;
   }
 #pragma unroll
@@ -532,6 +551,7 @@ __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 3
   const int64_t dst = s.dst.slot(t, t);
   // Every lane of the warp takes part in the vote, whether or not its rows exist.
   const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
+  float own_sum = 0.0f;  // the y sum of row q_own, from the lanes that computed it
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (valid[r] && last) {
@@ -541,8 +561,10 @@ __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 3
         store_chunk_raw(row + (j * m.lanes + li) * VEC, st[r][j]);
     }
     const float sum = row_sum(acc[r], m.lanes);
-    if (li == 0 && valid[r]) *y_at(p[r]) = narrow<InT>(finish_y(s, sum, in[r]));
+    const float got = __shfl_sync(kFullMask, sum, (q_own & ((1 << rpw_log2) - 1)) << m.lanes_log2);
+    if ((q_own >> rpw_log2) == r) own_sum = got;
   }
+  if (own_valid) *y_at(p_own) = narrow<InT>(finish_y(s, own_sum, in));
 }
 
 // Warps per block. TORCH_SSD_CUDA_WARPS=1..8 overrides the heuristic (for tuning
@@ -667,16 +689,17 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1 or 2 forces it. By
+// Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1, 2 or 4 forces it
+// (4: 16-bit pools only; fewer where a warp's rows would outnumber its lanes). By
 // default 2 for float32 pools where the step has enough tiles to spread over every
 // multiprocessor, else 1 (measured on an H200, BENCHMARKS.md "2026-11-30, lean
-// kernel": with float32 pools 2 rows gained 3.5-6 points of copy bandwidth at
-// T = 256 and lost up to 1.5 at T <= 64; with 16-bit pools, whose rows are half the
-// bytes, 1 row was 2-5 points better at T = 64).
+// kernel": with float32 pools 2 rows gained 4-7 points of copy bandwidth at
+// T = 256, -1.5 to +3.5 at T <= 64; with 16-bit pools 2 rows were 2-4 points behind
+// at T = 64 and 0.5-5 ahead at T = 16 and 256, 4 rows 4-16 behind everywhere).
 int pick_lean_rows(const Dims& d, const RowMap& m, int W, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ROWS");
   const int forced = env ? std::atoi(env) : 0;
-  if (forced == 1 || forced == 2) return forced;
+  if (forced == 1 || forced == 2 || forced == 4) return forced;
   if (elem_size != 4) return 1;
   const int64_t pass = static_cast<int64_t>(W) * m.rows_per_warp();
   const int64_t tiles2 = (d.P + 2 * pass - 1) / (2 * pass);
@@ -750,7 +773,8 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
     const RowMap map = step_row_map<PoolT>(d.N);
     if (want_lean() && lean_applies<PoolT>(d, map, unit, a_per_n, x, dt, B, C, z, y)) {
       const int W = pick_lean_warps();
-      const int rows = pick_lean_rows(d, map, W, static_cast<int>(sizeof(PoolT)));
+      int rows = pick_lean_rows(d, map, W, static_cast<int>(sizeof(PoolT)));
+      while (rows > 1 && rows * map.rows_per_warp() > kWarp) rows /= 2;  // a warp's rows fit its lanes
       auto with_in_type = [&](auto fn) {
         if (s.B.dtype == Dtype::kBFloat16) fn(c10::BFloat16{});
         else fn(float{});
@@ -758,10 +782,12 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
       with_in_type([&](auto in_tag) {
         using InT = decltype(in_tag);
         if (map.chunks_per_lane == 8) {
-          if (rows == 2) launch_lean<PoolT, InT, 2, 8>(d, s, map, W, stream);
+          if (rows >= 2) launch_lean<PoolT, InT, 2, 8>(d, s, map, W, stream);
           else launch_lean<PoolT, InT, 1, 8>(d, s, map, W, stream);
         } else {
-          if (rows == 2) launch_lean<PoolT, InT, 2, 4>(d, s, map, W, stream);
+          // Four rows per thread only for 16-bit pools (whose rows are half the bytes).
+          if (rows == 4 && sizeof(PoolT) == 2) launch_lean<PoolT, InT, (sizeof(PoolT) == 2 ? 4 : 2), 4>(d, s, map, W, stream);
+          else if (rows >= 2) launch_lean<PoolT, InT, 2, 4>(d, s, map, W, stream);
           else launch_lean<PoolT, InT, 1, 4>(d, s, map, W, stream);
         }
       });
