@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("the demo needs Hugging Face transformers: pip install 'torch_ssd[transformers]'", file=sys.stderr)
         return 2
+    from .integrations.transformers import unsupported_reason
+
+    reason = unsupported_reason()
+    if reason is not None:
+        print(f"the demo cannot run: {reason}", file=sys.stderr)
+        return 2
     transformers.logging.set_verbosity_error()  # no "falling back to PyTorch" notices in the demo output
 
     device = torch.device(args.device)

@@ -7,12 +7,15 @@ token comes in, the SSM update runs as one ``torch.ops.ssd.decode_step`` on the
 cache's own recurrent-state tensor, in place. Everything else (prefill, training,
 calls without a cache) goes to the original forward unchanged.
 
-Written against transformers 5.x (``Mamba2Mixer.forward(hidden_states, cache,
-attention_mask)`` with ``cache.get_recurrent_state`` / ``get_conv_state``).
+Written against transformers 5.24+ (``Mamba2Mixer.forward(hidden_states, cache,
+attention_mask)`` with ``cache.get_recurrent_state`` / ``get_conv_state``); on a
+release without that API ``patch_mamba2`` refuses with the reason
+(``unsupported_reason()``) and leaves the model as it is.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -20,9 +23,10 @@ from torch import nn
 
 from ..serving import selective_state_update
 
-__all__ = ["patch_mamba2", "unpatch_mamba2", "is_patched"]
+__all__ = ["patch_mamba2", "unpatch_mamba2", "is_patched", "unsupported_reason"]
 
 _ORIGINAL = "_torch_ssd_original_forward"
+SUPPORTED = "transformers>=5.24,<6"
 
 
 def _modeling():
@@ -34,6 +38,26 @@ def _modeling():
             "pip install 'torch_ssd[transformers]' (or pip install transformers)"
         ) from err
     return modeling_mamba2
+
+
+def unsupported_reason() -> str | None:
+    """Why the installed transformers cannot be patched, or None when it can.
+
+    The patched forward uses the Mamba-2 cache API of transformers 5.24+
+    (``get_conv_state`` / ``get_recurrent_state`` on the cache, ``cache=`` on
+    ``Mamba2Mixer.forward``); releases without it would fail mid-generation.
+    """
+    modeling = _modeling()
+    import transformers
+
+    missing = [f"Cache.{name}" for name in ("get_conv_state", "get_recurrent_state")
+               if not callable(getattr(transformers.DynamicCache, name, None))]
+    if "cache" not in inspect.signature(modeling.Mamba2Mixer.forward).parameters:
+        missing.append("Mamba2Mixer.forward(..., cache=...)")
+    if not missing:
+        return None
+    return (f"transformers {transformers.__version__} lacks the Mamba-2 cache API this integration "
+            f"is written for ({', '.join(missing)}); it supports {SUPPORTED}")
 
 
 def _ssm_decode(mixer: nn.Module, hidden_states: torch.Tensor, cache, attention_mask):
@@ -117,6 +141,9 @@ def patch_mamba2(model: nn.Module) -> nn.Module:
     mixers = _mixers(model)
     if not mixers:
         raise RuntimeError(f"patch_mamba2: {type(model).__name__} contains no transformers Mamba2Mixer layers")
+    reason = unsupported_reason()
+    if reason is not None:
+        raise RuntimeError(f"patch_mamba2: {reason}")
     for mixer in mixers:
         if _ORIGINAL in mixer.__dict__:
             continue
