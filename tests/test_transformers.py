@@ -25,7 +25,8 @@ from torch_ssd.integrations.transformers import (  # noqa: E402
 
 # The integration targets one cache API (transformers 5.24+, what CI installs); on other
 # releases patch_mamba2 refuses with a reason and these tests have nothing to check.
-pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=str(unsupported_reason()))
+UNSUPPORTED = unsupported_reason()
+pytestmark = pytest.mark.skipif(UNSUPPORTED is not None, reason=str(UNSUPPORTED))
 
 NUM_LAYERS = 2
 PROMPT_LEN = 7
