@@ -510,30 +510,46 @@ __device__ __forceinline__ void stage_wait_prior() {
 #endif
 }
 
-// A unit-stride chunk of a read-only row that many threads of a block share (B and
-// C): vector loads through the non-coherent cache, so the block's other rows hit
-// L1. p is aligned to min(16, VEC * sizeof(T)) bytes (checked on the host).
+// A unit-stride chunk of VEC elements of a read-only operand that many threads
+// share (B and C), held as its raw bits between its load and its widening: a load
+// may then be issued well before its use (a multi-token row loads token k + 1's
+// chunks before it stores token k's state) in half the registers for 16-bit types.
+template <int VEC, typename T>
+struct RawChunk {
+  static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
+  static_assert(kBytes % 8 == 0, "a chunk of whole 8-byte words");
+  alignas(16) uint2 w[kBytes / 8];
+};
+
+// Vector loads through the non-coherent cache, so the block's other rows hit L1.
+// p is aligned to min(16, VEC * sizeof(T)) bytes (checked on the host).
+template <int VEC, typename T>
+__device__ __forceinline__ RawChunk<VEC, T> load_raw_shared(const T* p) {
+  RawChunk<VEC, T> c;
+  if constexpr (RawChunk<VEC, T>::kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < RawChunk<VEC, T>::kBytes / 16; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      c.w[2 * i] = make_uint2(v.x, v.y);
+      c.w[2 * i + 1] = make_uint2(v.z, v.w);
+    }
+  } else {
+    c.w[0] = __ldg(reinterpret_cast<const uint2*>(p));
+  }
+  return c;
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void widen_raw(const RawChunk<VEC, T>& c, float (&r)[VEC]) {
+  const T* e = reinterpret_cast<const T*>(c.w);
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) r[v] = widen(e[v]);
+}
+
+// load_raw_shared, widened at once.
 template <int VEC, typename T>
 __device__ __forceinline__ void load_unit_shared(const T* p, float (&r)[VEC]) {
-  constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
-  if constexpr (kBytes % 16 == 0) {
-    constexpr int kPer16 = 16 / sizeof(T);
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + i);
-      const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kPer16; ++j) r[i * kPer16 + j] = widen(e[j]);
-    }
-  } else if constexpr (kBytes == 8) {
-    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) r[j] = widen(e[j]);
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) r[v] = widen(p[v]);
-  }
+  widen_raw(load_raw_shared<VEC>(p), r);
 }
 
 // One 16-byte chunk of a unit-stride row held as its raw bits (4 registers for 8

@@ -21,7 +21,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -98,18 +101,21 @@ inline RowMap step_row_map(int64_t n) {
   return make_row_map(n, vec_of<PoolT>(), per_batch);
 }
 
-// Whether every row along the last dim of t starts on a 16-byte boundary and has
-// unit stride, so the rows can be read and written with 16-byte vectors. Decided
-// once per call on the host; the other case takes the scalar gather path, which
-// computes the same bits (same mapping, same reduction).
-inline bool rows_vectorizable(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+// Whether every row along the last dim of t starts on an `align`-byte boundary and
+// has unit stride, so chunks of align bytes can be read with aligned vector loads.
+// Decided once per call on the host; the other case takes the scalar gather path,
+// which computes the same bits (same mapping, same reduction).
+inline bool rows_aligned(const at::Tensor& t, int64_t align) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % align != 0) return false;
   const int64_t d = t.dim();
   if (t.size(d - 1) > 1 && t.stride(d - 1) != 1) return false;
   for (int64_t i = 0; i + 1 < d; ++i)
-    if (t.size(i) > 1 && (t.stride(i) * t.element_size()) % 16 != 0) return false;
+    if (t.size(i) > 1 && (t.stride(i) * t.element_size()) % align != 0) return false;
   return true;
 }
+
+// Rows read and written with 16-byte vectors (the pool, the loaders' operands).
+inline bool rows_vectorizable(const at::Tensor& t) { return rows_aligned(t, 16); }
 
 // The pool element type as a template argument.
 template <typename Fn>
@@ -194,6 +200,37 @@ void allow_smem(Kernel kernel, size_t bytes) {
                                       static_cast<int>(bytes)));
 }
 
+// ---------------------------------------------------------------------------
+// The lean kernels (decode_step_lean, multi_step_lean): the serving engines' case.
+// ---------------------------------------------------------------------------
+
+// TORCH_SSD_CUDA_KERNEL=block / =pipe turn the lean kernels off (comparisons, tests).
+inline bool want_lean() {
+  const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
+  return !(env && (std::string(env) == "block" || std::string(env) == "pipe"));
+}
+
+inline bool same_type(std::initializer_list<at::Tensor> tensors, const at::Tensor& like) {
+  for (const at::Tensor& t : tensors)
+    if (t.scalar_type() != like.scalar_type()) return false;
+  return true;
+}
+
+// Whether a lean kernel covers the call: unit-stride pool rows that split evenly
+// over a row's lanes (4 or 8 chunks each), A broadcast along N, x, z, dt, B, C and
+// y of one type (bfloat16 or float32), B and C rows aligned for chunk loads, and a
+// grid of (H, grid_rows, tiles along P) within CUDA's limits.
+template <typename PoolT>
+bool lean_applies(const Dims& d, const RowMap& m, bool unit, bool a_per_n, int64_t grid_rows, const at::Tensor& x,
+                  const at::Tensor& dt, const at::Tensor& B, const at::Tensor& C,
+                  const c10::optional<at::Tensor>& z, const at::Tensor& y) {
+  const int64_t chunk_bytes = std::min<int64_t>(16, vec_of<PoolT>() * B.element_size());
+  return unit && !a_per_n && d.N > 0 && m.rest == 0 && m.nfull == m.lanes * m.chunks_per_lane &&
+         (m.chunks_per_lane == 4 || m.chunks_per_lane == 8) && x.scalar_type() != at::kHalf &&
+         grid_rows <= 65535 && d.P <= 65535 && d.H < (int64_t{1} << 31) && same_type({B, C, dt, y}, x) &&
+         (!z.has_value() || same_type({*z}, x)) && rows_aligned(B, chunk_bytes) && rows_aligned(C, chunk_bytes);
+}
+
 #if defined(__CUDACC__)
 
 // last_writer (step.h) computed by a whole warp: lane l scans rows t+1+l, t+1+l+32,
@@ -246,6 +283,13 @@ __device__ __forceinline__ void bc_chunk(const float* Bs, const float* Cs, int c
 __device__ __forceinline__ float row_sum(float v, int lanes) {
   for (int off = lanes >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;
+}
+
+// An element of x, z, dt or y in the inputs' type InT (a lean kernel's host check),
+// `shift` elements on (a later token of a multi-token row).
+template <typename InT>
+__device__ __forceinline__ float load_in(const OperandRef& o, int64_t t, int64_t h, int64_t p, int64_t shift = 0) {
+  return widen(static_cast<const InT*>(o.data)[shift + t * o.stride[0] + h * o.stride[1] + p * o.stride[2]]);
 }
 
 #endif  // __CUDACC__

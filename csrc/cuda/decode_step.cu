@@ -15,8 +15,6 @@
 // scalar gather path, so every layout and every kernel give the same bits.
 #include <algorithm>
 #include <cstdlib>
-#include <initializer_list>
-#include <string>
 
 #include "common.cuh"
 
@@ -434,13 +432,8 @@ struct LeanLaunch {
   uint32_t heads_per_group = 1;
 };
 
-// x, z, dt and y in the inputs' type InT (what the host checked), the rest as
-// decode_step_kernel reads them.
-template <typename InT>
-__device__ __forceinline__ float load_in(const OperandRef& o, int64_t t, int64_t h, int64_t p) {
-  return widen(static_cast<const InT*>(o.data)[t * o.stride[0] + h * o.stride[1] + p * o.stride[2]]);
-}
-
+// x, z and dt of (t, h, p) in the inputs' type InT, the rest as decode_step_kernel
+// reads them.
 template <typename InT>
 __device__ __forceinline__ ChannelInputs load_channel_in(const StepParams& s, int64_t t, int64_t h, int64_t p) {
   ChannelInputs in;
@@ -619,12 +612,6 @@ bool want_pipelined(Dtype pool_dtype) {
   return pool_dtype != Dtype::kFloat32;
 }
 
-// TORCH_SSD_CUDA_KERNEL=block / =pipe turn the lean kernel off.
-bool want_lean() {
-  const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
-  return !(env && (std::string(env) == "block" || std::string(env) == "pipe"));
-}
-
 // Warps per block of the pipelined kernel (TORCH_SSD_CUDA_PIPE_WARPS=1..8 overrides).
 int pick_pipe_warps(const Dims& d, const RowMap& m) {
   const char* env = std::getenv("TORCH_SSD_CUDA_PIPE_WARPS");
@@ -717,35 +704,6 @@ int pick_lean_warps() {
   return 1;
 }
 
-// Whether an operand's rows along N (its last dim) can be read in chunks of vec
-// elements with aligned vector loads (load_unit_shared).
-bool chunk_rows_aligned(const Tensor& t, int vec) {
-  const int64_t align = std::min<int64_t>(16, static_cast<int64_t>(vec) * t.element_size());
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % align != 0) return false;
-  const int64_t d = t.dim();
-  if (t.size(d - 1) > 1 && t.stride(d - 1) != 1) return false;
-  for (int64_t i = 0; i + 1 < d; ++i)
-    if (t.size(i) > 1 && (t.stride(i) * t.element_size()) % align != 0) return false;
-  return true;
-}
-
-bool same_type(std::initializer_list<Tensor> tensors, const Tensor& like) {
-  for (const Tensor& t : tensors)
-    if (t.scalar_type() != like.scalar_type()) return false;
-  return true;
-}
-
-// Whether the lean kernel covers this call (see its comment).
-template <typename PoolT>
-bool lean_applies(const Dims& d, const RowMap& m, bool unit, bool a_per_n, const Tensor& x, const Tensor& dt,
-                  const Tensor& B, const Tensor& C, const OptTensor& z, const Tensor& y) {
-  constexpr int VEC = vec_of<PoolT>();
-  return unit && !a_per_n && d.N > 0 && m.rest == 0 && m.nfull == m.lanes * m.chunks_per_lane &&
-         (m.chunks_per_lane == 4 || m.chunks_per_lane == 8) && x.scalar_type() != at::kHalf && d.T <= 65535 && d.P <= 65535 &&
-         d.H < (int64_t{1} << 31) && same_type({B, C, dt, y}, x) && (!z.has_value() || same_type({*z}, x)) &&
-         chunk_rows_aligned(B, VEC) && chunk_rows_aligned(C, VEC);
-}
-
 template <typename PoolT, typename InT, int kRows, int KB>
 void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
   LeanLaunch L;
@@ -771,7 +729,7 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
   with_elem_type(s.pool_dtype, [&](auto tag) {
     using PoolT = decltype(tag);
     const RowMap map = step_row_map<PoolT>(d.N);
-    if (want_lean() && lean_applies<PoolT>(d, map, unit, a_per_n, x, dt, B, C, z, y)) {
+    if (want_lean() && lean_applies<PoolT>(d, map, unit, a_per_n, d.T, x, dt, B, C, z, y)) {
       const int W = pick_lean_warps();
       int rows = pick_lean_rows(d, map, W, static_cast<int>(sizeof(PoolT)));
       while (rows > 1 && rows * map.rows_per_warp() > kWarp) rows /= 2;  // a warp's rows fit its lanes
