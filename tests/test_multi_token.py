@@ -922,6 +922,101 @@ def test_cuda_no_host_sync_and_no_allocation_but_y(unchecked_mode):
     assert not torch.isnan(y).any() and torch.equal(y[-2:], torch.zeros_like(y[-2:]))
 
 
+# The lean multi-token kernel (CUDA's default for serving-style inputs: per-head A,
+# dt, D, dt_bias broadcast, rows that split evenly over lanes, x / B / C of one
+# type) against the block kernel: the same bits, and the block kernel is checked
+# against the reference above.
+LEAN_MULTI_CHOICES = (
+    {},
+    {"TORCH_SSD_CUDA_KERNEL": "block"},
+    {"TORCH_SSD_CUDA_MULTI_TILES": "1", "TORCH_SSD_CUDA_PDL": "0"},
+    {"TORCH_SSD_CUDA_MULTI_TILES": "2"},
+)
+
+
+def _lean_case(form: str, K: int, n: int, pool_dtype, dtype) -> dict:
+    """On CUDA: T = 5 rows, P = 24 (not a multiple of every tile), per-token destinations with
+    a pad, a shared destination within a row (across override windows when K > 8)
+    and one across rows, a pad row; varlen: rows of K, 0, K - 1, K and 1 tokens
+    with tokens that no row owns before and after them."""
+    T = 5
+    lens = [K] * T if form == "fixed" else [K, 0, max(K - 1, 1), K, 1]
+    lead = (T, K) if form == "fixed" else (sum(lens) + 2,)
+    S = 2 * T * K + T + 4
+    d = token_operands(lead, S, N=n, P=24, pool_dtype=pool_dtype, dtype=dtype, per_head=True, seed=K + n)
+    gen = torch.Generator().manual_seed(_seed(form, K, n))
+    perm = torch.randperm(S, generator=gen)
+    d["slot_idx"] = perm[:T].clone()
+    d["slot_idx"][2] = PAD  # a pad row
+    dst = perm[T : T + T * K].view(T, K).clone()
+    if K > 1:
+        dst[1, 1] = PAD  # a token that writes nothing
+        dst[0, K - 1] = dst[0, K // 2 - 1 if K < 9 else 1]  # the later token of row 0 wins
+    dst[T - 1, 0] = dst[0, 0]  # row T - 1 wins over row 0
+    d["dst_slot_idx"] = dst
+    if form == "varlen":
+        cu = [1]
+        for length in lens:
+            cu.append(cu[-1] + length)
+        d["cu_seqlens"] = torch.tensor(cu)
+    # A, dt, D, dt_bias broadcast with stride 0 (on the device: .to() would densify them).
+    return apply_layout(to_device(d, "cuda"), "broadcast")
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("form", ("fixed", "varlen"))
+@pytest.mark.parametrize("K", (1, 3, 8, 11))
+@pytest.mark.parametrize("n", (32, 128, 256))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=("bf16", "f32"))
+@pytest.mark.parametrize("pool_dtype", (torch.float32, torch.bfloat16, torch.float16), ids=("f32", "bf16", "f16"))
+def test_lean_multi_kernel_gives_the_block_kernels_bits(pool_dtype, dtype, n, K, form, monkeypatch):
+    base = _lean_case(form, K, n, pool_dtype, dtype)
+    pool0 = base["ssm_pool"].clone()
+    op = torch.ops.ssd.decode_step_multi if form == "fixed" else torch.ops.ssd.decode_step_varlen
+    args = multi_args if form == "fixed" else varlen_args
+    first = None
+    for env in LEAN_MULTI_CHOICES:
+        for key in ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_PDL"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        base["ssm_pool"].copy_(pool0)
+        y = op(*args(base))
+        got = (y, base["ssm_pool"].clone())
+        if first is None:
+            if form == "fixed":
+                check_fixed_against_reference(base, y, pool0)
+            else:  # the tokens no row owns: the first and the last
+                assert not y[0].any() and not y[-1].any()
+            first = got
+        else:
+            assert torch.equal(got[0], first[0]), f"y differs with {env}"
+            assert torch.equal(got[1], first[1]), f"pool differs with {env}"
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("form", ("fixed", "varlen"))
+def test_serving_inputs_take_the_lean_multi_kernel(form, monkeypatch):
+    """The kernel names the profiler sees: the lean kernel by default, the block
+    kernel with TORCH_SSD_CUDA_KERNEL=block (so the test above compares two kernels)."""
+    base = _lean_case(form, 4, 128, torch.bfloat16, torch.bfloat16)
+    op = torch.ops.ssd.decode_step_multi if form == "fixed" else torch.ops.ssd.decode_step_varlen
+    args = multi_args if form == "fixed" else varlen_args
+
+    def kernels():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            op(*args(base))
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if "multi_step" in e.name]
+
+    monkeypatch.delenv("TORCH_SSD_CUDA_KERNEL", raising=False)
+    names = kernels()
+    assert names and all("multi_step_lean" in name for name in names), names
+    monkeypatch.setenv("TORCH_SSD_CUDA_KERNEL", "block")
+    names = kernels()
+    assert names and not any("multi_step_lean" in name for name in names), names
+
+
 # ---------------------------------------------------------------------------
 # opcheck, torch.compile, schemas
 # ---------------------------------------------------------------------------

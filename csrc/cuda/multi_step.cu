@@ -1,6 +1,10 @@
 // The multi-token decode step on CUDA (docs/multi_token.md): decode_step_multi(_out)
 // and decode_step_varlen(_out).
 //
+// Two kernels, one result. multi_step_lean (the serving engines' case, the default
+// wherever it applies; see its comment) and multi_step_kernel, for every other
+// layout, described here.
+//
 // Grid: as in decode_step.cu, one block per (row t, head h, block of head-dim rows
 // p), with the same mapping along N (step_row_map), the same per-element arithmetic
 // and the same order of y's sum, so that with a float32 pool K tokens give the bits
@@ -360,6 +364,226 @@ __global__ void __launch_bounds__(kMaxThreads)
   finish_group(prev_kg, prev_tg);
 }
 
+// ---------------------------------------------------------------------------
+// The lean multi-token kernel: the serving engines' case (lean_applies in
+// common.cuh: unit-stride pool rows split evenly over a row's lanes, A broadcast
+// along N, x, z, dt, B, C and y of one type, bfloat16 or float32), with the
+// techniques of decode_step_lean:
+//   * one warp per block, grid (head, row t, group of tiles along P), no shared
+//     memory and no barrier: a block starts its row loads as soon as its slot index
+//     is in;
+//   * B and C chunks straight from global memory (L1) into registers, token k + 1's
+//     loaded before token k's state is stored (a store between them would keep
+//     the compiler from hoisting the loads: it must assume they alias);
+//   * the per-(row, token) scalars -- the channel loads, softplus, the decay, y --
+//     are computed once per pair: lane l owns row l % rows_per_warp of the warp and
+//     token l / rows_per_warp of each group of `lanes` tokens, and shuffles them to
+//     the row's lanes;
+//   * programmatic dependent launch on sm_90.
+// Which writes a later write to the same slot overrides (multi_last_writer's rule)
+// is decided by the warp for a window of kWindow tokens at a time: each lane takes
+// some of the later rows (their source check once per row) and compares their
+// writes with the window's destinations; lane w of the window then holds token w's
+// destination, or none, and each token takes it with one shuffle. A warp walks
+// `tiles_per_warp` tiles of its (head, row): the first window's decision and the
+// row's slots serve them all.
+// The state stays in float32 registers across the tokens and is rounded once per
+// store. Mapping along N, per-element arithmetic and reduction order are
+// multi_step_kernel's (and so, on float32 pools, K single steps'): the same bits
+// (tests/test_multi_token.py checks it).
+// Varlen: the blocks of grid row T clear y of the tokens no row owns.
+// ---------------------------------------------------------------------------
+
+struct LeanMultiLaunch {
+  RowMap map;
+  int rows_per_pass = 0;  // rows a warp covers: rows_per_warp
+  int tiles = 0;          // tiles along P
+  uint32_t heads_per_group = 1;
+};
+
+constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
+
+// Launch bounds: 16 warps per multiprocessor (128 registers) where the inputs are 16-bit
+// (no spill at sm_90); float32 inputs take more for their B / C chunks.
+template <typename PoolT, typename InT, int KB>
+__global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
+    multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
+  constexpr int VEC = vec_of<PoolT>();
+  const StepParams& s = m.step;
+  const RowMap& map = L.map;
+  const uint32_t h = blockIdx.x, t = blockIdx.y;
+  const uint32_t g = h / L.heads_per_group;
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int li = lane & (map.lanes - 1);
+  const int rpw_log2 = 5 - map.lanes_log2;  // rows per warp: 32 / lanes
+  const int row_in_warp = lane >> map.lanes_log2;
+  const int q_own = lane & ((1 << rpw_log2) - 1);  // the row of this lane's (row, token) pairs
+  const int k_lane = lane >> rpw_log2;              // its token in each group of `lanes` tokens
+
+  wait_for_prior_grid();
+  allow_next_grid();
+  if (t == s.T) {  // varlen: the extra grid row
+    clear_unowned(m, h * gridDim.z + blockIdx.z, gridDim.x * gridDim.z);
+    return;
+  }
+  const RowTokens tokens = multi_row_tokens(m, t);
+  const int64_t first = tokens.first, count = tokens.count;
+  if (count == 0) return;  // owns no token
+  const int64_t src = multi_source_slot(m, t);
+  const bool pad_row = !slot_addressable(src, s.S, s.pad_slot_id);
+  auto y_at = [&](int64_t k, int64_t p) {
+    return static_cast<InT*>(s.y) + (k * m.y_tok + first * s.y_stride[0] + h * s.y_stride[1] + p * s.y_stride[2]);
+  };
+  PoolT* pool = static_cast<PoolT*>(s.pool);
+  const InT* B0 = static_cast<const InT*>(s.B.data) + first * s.B.stride[0] + g * s.B.stride[1];
+  const InT* C0 = static_cast<const InT*>(s.C.data) + first * s.C.stride[0] + g * s.C.stride[1];
+
+  // Lane w (of each kWindow lanes) gets the slot token kw + w writes, as a 32-bit
+  // number (every addressable slot is below S < 2^31, host-checked), or -1 when it
+  // writes nothing or a later write to the same slot overrides it.
+  const bool may_collide = m.write_state && m.dst.present();
+  auto window_dests = [&](int64_t kw) {
+    const int w = lane & (kWindow - 1);
+    const int64_t d = kw + w < count ? multi_dest_slot(m, t, kw + w, count) : kNoSlot;
+    const int32_t mine = slot_addressable(d, s.S, s.pad_slot_id) ? static_cast<int32_t>(d) : -1;
+    if (!may_collide) return mine;
+    int32_t dsts[kWindow];
+#pragma unroll
+    for (int v = 0; v < kWindow; ++v) dsts[v] = __shfl_sync(kFullMask, mine, v);
+    const int64_t columns = multi_write_columns(m);
+    uint32_t bits = 0;
+    for (int64_t u = t + lane; u < s.T; u += kWarp) {  // this lane's later rows
+      const int64_t n = multi_writing_tokens(m, u, t, count);
+      for (int64_t i = 0; i < columns; ++i) {
+        const int64_t j = multi_column_token(m, i, n);
+        if (j < 0) continue;
+        const int64_t slot = multi_dest_slot(m, u, j, n);
+        if (!slot_addressable(slot, s.S, s.pad_slot_id)) continue;  // writes nothing
+        // The window's tokens this write comes after: all of them for a later row,
+        // those before token j in this row.
+        const int64_t before = j - kw;
+        const uint32_t after_mask =
+            u > t || before >= kWindow ? (1u << kWindow) - 1 : before <= 0 ? 0u : (1u << before) - 1;
+        uint32_t equal = 0;
+#pragma unroll
+        for (int v = 0; v < kWindow; ++v) equal |= static_cast<uint32_t>(dsts[v] == static_cast<int32_t>(slot)) << v;
+        bits |= equal & after_mask;
+      }
+    }
+    bits = __reduce_or_sync(kFullMask, bits);
+    return (bits >> w) & 1u ? -1 : mine;
+  };
+  const int32_t first_window = pad_row ? -1 : window_dests(0);
+
+#pragma unroll 1
+  for (int tile = blockIdx.z; tile < L.tiles; tile += gridDim.z) {
+    const int64_t warp_base = static_cast<int64_t>(tile) * L.rows_per_pass;
+    const int64_t p_any = warp_base + row_in_warp;  // this thread's row (its chunks along N)
+    const bool valid = p_any < s.P;
+    const int64_t p = valid ? p_any : 0;
+    const int64_t p_own_any = warp_base + q_own;  // the row of its (row, token) pairs
+    const bool own_valid = p_own_any < s.P;
+    const int64_t p_own = own_valid ? p_own_any : 0;
+    if (pad_row) {  // y = 0, the pool untouched
+      if (own_valid)
+        for (int64_t k = k_lane; k < count; k += map.lanes) *y_at(k, p_own) = narrow<InT>(0.0f);
+      continue;
+    }
+    const int64_t row_offset = s.pool_offset(0, h, p);  // + slot * pool_stride[0]
+    uint4 raw[KB];
+    {
+      const PoolT* row = pool + (src * s.pool_stride[0] + row_offset);
+#pragma unroll
+      for (int j = 0; j < KB; ++j)
+        raw[j] = valid ? load_chunk_raw(row + (j * map.lanes + li) * VEC) : make_uint4(0, 0, 0, 0);
+    }
+
+    // While the rows are in flight: the pair's constant inputs, token 0's B and C,
+    // the first group's inputs.
+    const InT* b_tok = B0;  // token k's B and C
+    const InT* c_tok = C0;
+    RawChunk<VEC, InT> nb[KB], nc[KB];  // the next token's B and C
+    auto load_bc = [&]() {
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const int c = j * map.lanes + li;
+        nb[j] = load_raw_shared<VEC>(b_tok + c * VEC);
+        nc[j] = load_raw_shared<VEC>(c_tok + c * VEC);
+      }
+    };
+    load_bc();
+    ChannelInputs in;  // the pair's inputs
+    if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p_own);
+    if (s.D.present()) in.D = s.D.at(h, p_own);
+    const float a_own = s.A.at(h, p_own);
+    float nx = 0.0f, ndt = 0.0f, nz = 0.0f;  // x, dt, z of the pair's next token (clamped to the row)
+    auto load_pair = [&](int64_t k) {
+      const int64_t kr = k < count ? k : count - 1;
+      nx = load_in<InT>(s.x, first, h, p_own, kr * m.x_tok);
+      ndt = load_in<InT>(s.dt, first, h, p_own, kr * m.dt_tok);
+      if (s.z.present()) nz = load_in<InT>(s.z, first, h, p_own, kr * m.z_tok);
+    };
+    load_pair(k_lane);
+
+    float st[KB][VEC];
+#pragma unroll
+    for (int j = 0; j < KB; ++j) widen_chunk<VEC, PoolT>(raw[j], st[j]);
+
+    float dA_own = 0.0f, dtx_own = 0.0f, y_sum = 0.0f;
+    auto start_group = [&]() {
+      in.x = nx, in.dt = ndt, in.z = nz;
+      const float dtv = channel_dt(s, in);
+      dtx_own = dtv * in.x;
+      dA_own = decay(a_own, dtv);
+      y_sum = 0.0f;
+    };
+    start_group();
+    int32_t window = first_window;
+#pragma unroll 1
+    for (int64_t k = 0; k < count; ++k) {
+      const int jt = static_cast<int>(k & (map.lanes - 1));  // token within the group
+      if (k > 0 && k % kWindow == 0) window = window_dests(k);
+      const int owner = (jt << rpw_log2) | row_in_warp;  // the lane of (this row, token k)
+      const float dA = __shfl_sync(kFullMask, dA_own, owner);
+      const float dtx = __shfl_sync(kFullMask, dtx_own, owner);
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        float b[VEC], cc[VEC];
+        widen_raw(nb[j], b);
+        widen_raw(nc[j], cc);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          st[j][v] = advance(st[j][v], dA, dtx, b[v]);
+          acc = accumulate_y(acc, st[j][v], cc[v]);
+        }
+      }
+      // The next token's loads go out before this token's stores.
+      const bool group_ends = jt == map.lanes - 1 || k + 1 == count;
+      if (k + 1 < count) {
+        b_tok += m.B_tok, c_tok += m.C_tok;
+        load_bc();
+        if (group_ends) load_pair(k + 1 + k_lane);
+      }
+      const int32_t dst = __shfl_sync(kFullMask, window, static_cast<int>(k % kWindow));
+      if (valid && dst >= 0) {
+        PoolT* row = pool + (dst * s.pool_stride[0] + row_offset);
+#pragma unroll
+        for (int j = 0; j < KB; ++j)
+          store_chunk_raw(row + (j * map.lanes + li) * VEC, narrow_chunk<VEC, PoolT>(st[j]));
+      }
+      const float sum = row_sum(acc, map.lanes);
+      const float got = __shfl_sync(kFullMask, sum, q_own << map.lanes_log2);
+      if (jt == k_lane) y_sum = got;
+      if (group_ends) {
+        const int64_t k_own = k - jt + k_lane;
+        if (own_valid && k_own < count) *y_at(k_own, p_own) = narrow<InT>(finish_y(s, y_sum, in));
+        if (k + 1 < count) start_group();
+      }
+    }
+  }
+}
+
 // Warps per block: 8, fewer when P is small (no warp without a row) or when there
 // are few (t, h) pairs (so that every multiprocessor gets some of the rows).
 // TORCH_SSD_CUDA_MULTI_WARPS=1..8 overrides it (tuning runs).
@@ -399,6 +623,36 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Tiles along P per warp of the lean kernel (TORCH_SSD_CUDA_MULTI_TILES=1..64
+// overrides): as many as keep at least kMinWaves waves of warps at 16 warps per
+// multiprocessor, so that the first window's decision and the row's slots serve
+// several tiles without leaving multiprocessors idle at the end.
+int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
+  const int forced = env ? std::atoi(env) : 0;
+  if (forced >= 1 && forced <= 64) return static_cast<int>(std::min<int64_t>(forced, tiles));
+  constexpr int64_t kMinWaves = 3;
+  const int64_t slots = 16 * static_cast<int64_t>(num_sms());
+  int per = 1;
+  while (per * 2 <= tiles && warps_one_tile_each / (per * 2) >= kMinWaves * slots) per *= 2;
+  return per;
+}
+
+template <typename PoolT, typename InT, int KB>
+void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows,
+                 cudaStream_t stream) {
+  LeanMultiLaunch L;
+  L.map = map;
+  L.rows_per_pass = map.rows_per_warp();
+  L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
+  const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
+  L.tiles = static_cast<int>(tiles);
+  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles);
+  const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows),
+                  static_cast<unsigned>((tiles + per - 1) / per));
+  launch_kernel(multi_step_lean<PoolT, InT, KB>, grid, dim3(kWarp), 0, stream, use_pdl(), m, L);
+}
+
 void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt,
                 const Tensor& A, const Tensor& B, const Tensor& C, const OptTensor& cu_seqlens,
                 const OptTensor& D, const OptTensor& z, const OptTensor& dt_bias, bool dt_softplus,
@@ -417,8 +671,25 @@ void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, co
 
   with_elem_type(m.step.pool_dtype, [&](auto tag) {
     using PoolT = decltype(tag);
+    const RowMap map = step_row_map<PoolT>(d.N);
+    const int64_t grid_rows = d.T + (varlen ? 1 : 0);  // varlen: a row of blocks that clear unowned tokens
+    // The lean kernel keeps a lane's whole row in 32 float32 registers (KB * VEC).
+    const bool lean = want_lean() && map.chunks_per_lane * vec_of<PoolT>() == 32 && d.S < (int64_t{1} << 31) &&
+                      d.T * multi_write_columns(m) < (int64_t{1} << 31) &&
+                      lean_applies<PoolT>(d, map, unit, a_per_n, grid_rows, x, dt, B, C, z, y);
+    if (lean) {
+      auto with_in_type = [&](auto fn) {
+        if (x.scalar_type() == at::kBFloat16) fn(c10::BFloat16{});
+        else fn(float{});
+      };
+      with_in_type([&](auto in_tag) {
+        using InT = decltype(in_tag);
+        launch_lean<PoolT, InT, 32 / vec_of<PoolT>()>(d, m, map, grid_rows, stream);
+      });
+      return;
+    }
     MultiLaunch L;
-    L.map = step_row_map<PoolT>(d.N);
+    L.map = map;
     L.smem_n = L.map.chunks() * vec_of<PoolT>();
     const bool spill = L.map.chunks_per_lane > step_chunks_per_batch<PoolT>();
     int W = multi_warps(d, L.map);
