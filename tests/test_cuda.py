@@ -256,6 +256,28 @@ def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, mo
             assert torch.equal(got[1], first[1]), f"pool differs with {env}"
 
 
+def test_serving_inputs_take_the_lean_kernel(monkeypatch):
+    """The kernel names the profiler sees: the lean kernel for serving-style inputs by
+    default, another with TORCH_SSD_CUDA_KERNEL=block (so the test above compares
+    different kernels)."""
+    inputs = make_inputs(None, 4, 3, 24, 128, 1, device="cuda", pool_dtype=torch.bfloat16, dtype=torch.bfloat16,
+                         slots="dst", per_head=True, seed=3)
+    inputs = apply_layout(inputs, "broadcast")
+
+    def kernels():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.ops.ssd.decode_step(*step_args(inputs))
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if "decode_step" in e.name]
+
+    monkeypatch.delenv("TORCH_SSD_CUDA_KERNEL", raising=False)
+    names = kernels()
+    assert names and all("decode_step_lean" in name for name in names), names
+    monkeypatch.setenv("TORCH_SSD_CUDA_KERNEL", "block")
+    names = kernels()
+    assert names and not any("decode_step_lean" in name for name in names), names
+
+
 def test_runs_on_the_current_stream():
     """The op is ordered after work queued on the current (non-default) stream."""
     inputs = _step_inputs(4, 4, 16, 64, 2, torch.float32)

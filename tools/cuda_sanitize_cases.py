@@ -68,10 +68,10 @@ def step_case(pool_dtype, layout, N, broadcast, idx_dtype):
     pool = randn(S, H, P, N, dtype=pool_dtype)
     x, z = randn(T, H, P, dtype=torch.bfloat16), randn(T, H, P, dtype=torch.bfloat16)
     B, C = randn(T, G, N, dtype=torch.bfloat16), randn(T, G, N, dtype=torch.bfloat16)
-    if broadcast:
-        dt = (randn(T, H, 1) * 0.3).expand(T, H, P)
-        A = (-torch.rand(H, 1, 1, generator=GEN) - 0.2).expand(H, P, N)
-        D, dt_bias = randn(H, 1).expand(H, P), (randn(H, 1) * 0.1).expand(H, P)
+    if broadcast:  # the lean kernel's case: dt in x's type, per-head values expanded (on the device, below)
+        dt = (randn(T, H, 1) * 0.3).to(torch.bfloat16)
+        A = -torch.rand(H, 1, 1, generator=GEN) - 0.2
+        D, dt_bias = randn(H, 1), randn(H, 1) * 0.1
     else:
         dt, A = randn(T, H, P) * 0.3, -torch.rand(H, P, N, generator=GEN) - 0.2
         D, dt_bias = randn(H, P), randn(H, P) * 0.1
@@ -85,7 +85,9 @@ def step_case(pool_dtype, layout, N, broadcast, idx_dtype):
         a = {}
         for k, v in cpu.items():
             v = v.to(dev)
-            if not (broadcast and k in ("dt", "A", "D", "dt_bias")):
+            if broadcast and k in ("dt", "A", "D", "dt_bias"):
+                v = v.expand({"dt": (T, H, P), "A": (H, P, N)}.get(k, (H, P)))  # stride 0
+            else:
                 v = relayout(v, layout)
             a[k] = v
         args.append(a)
@@ -131,12 +133,12 @@ def multi_cases(pool_dtype, layout, N):
     S, T, K, H, P, G = 28, 4, 3, 4, 8, 2
     L = T * K + 2
     pool = randn(S, H, P, N, dtype=pool_dtype)
+    broadcast = layout == "contiguous"  # with dt in x's type: the lean kernel's case (N = 64)
     fixed = dict(x=randn(T, K, H, P, dtype=torch.bfloat16), z=randn(T, K, H, P, dtype=torch.bfloat16),
-                 dt=randn(T, K, H, P) * 0.3, B=randn(T, K, G, N, dtype=torch.bfloat16),
-                 C=randn(T, K, G, N, dtype=torch.bfloat16))
+                 dt=randn(T, K, H, P, dtype=torch.bfloat16 if broadcast else torch.float32) * 0.3,
+                 B=randn(T, K, G, N, dtype=torch.bfloat16), C=randn(T, K, G, N, dtype=torch.bfloat16))
     flat = {k: v.reshape(T * K, *v.shape[2:]) for k, v in fixed.items()}
     flat = {k: torch.cat([v, v[:2]]) for k, v in flat.items()}  # L = T * K + 2
-    broadcast = layout == "contiguous"
     if broadcast:
         A = (-torch.rand(H, 1, 1, generator=GEN) - 0.2).expand(H, P, N)
     else:
@@ -157,7 +159,8 @@ def multi_cases(pool_dtype, layout, N):
         a = {k: relayout(v.to(dev), layout) for k, v in fixed.items()}
         f = {k: relayout(v.to(dev), layout) for k, v in flat.items()}
         pl = relayout(pool.to(dev), layout)
-        Ad = A.to(dev) if broadcast else relayout(A.to(dev), layout)
+        # (.to() would densify an expanded A: expand on the device)
+        Ad = A[:, :1, :1].to(dev).expand(H, P, N) if broadcast else relayout(A.to(dev), layout)
         Dd, bd = relayout(D.to(dev), layout), relayout(dt_bias.to(dev), layout)
         tb, ac, sr, ds, c = (v.to(dev) for v in (table, accepted, src, dst, cu))
         y1 = torch.ops.ssd.decode_step_multi(pl, a["x"], a["dt"], Ad, a["B"], a["C"], Dd, a["z"], bd, True, tb, None,
