@@ -7,6 +7,8 @@
         python tools/cuda_profile.py --shape 80,64,128,1 --pool fp32 --T 64 --config pipe
 
 --config takes the same names as tools/cuda_tune.py (block, pipe, pipe-w8, ...).
+--K K profiles the multi-token step instead (tools/bench_multi.py's inputs, K tokens per
+row; kernel names match regex:multi_step).
 """
 
 from __future__ import annotations
@@ -35,11 +37,20 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=64)
     ap.add_argument("--config", default="pipe")
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--K", type=int, default=0, help="tokens per row: profile the multi-token step")
     args = ap.parse_args()
     os.environ.update(parse_config(args.config))
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     shape = bench.Shape.parse(args.shape)
+    if args.K > 0:
+        from bench_multi import MultiInputs
+        multi = [MultiInputs(shape, args.T, args.K, bench.DTYPES[args.pool], torch.bfloat16, device, gen)
+                 for _ in range(2)]
+        for i in range(args.calls):
+            multi[i % 2].multi()
+        torch.cuda.synchronize()
+        return 0
     sets = [bench.make_inputs(shape, args.T, 2 * args.T, bench.DTYPES[args.pool], torch.bfloat16, device, gen)
             for _ in range(2)]
     for i in range(args.calls):

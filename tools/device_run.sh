@@ -15,10 +15,13 @@
 #   probe       tools/exception_probe.py (do refused calls crash this environment?); on a
 #               crash, the native backtrace from cuda-gdb; compiler versions; in probe.log
 #   tune        tools/cuda_tune.py: kernel / block-size sweep against the copy ceiling (+ bit check)
-#   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config", see
-#               tools/cuda_profile.py), report in ncu.txt
+#   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
+#               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt
 #   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
 #   bench-quick the same without torch.compile(reference)
+#   bench-multi tools/bench_multi.py (multi-token step; no reference timings), MULTI_ARGS extra
+#               arguments, MULTI_BUDGET seconds per timing (default 0.15); bench-multi-block: the
+#               same with the lean kernels off
 #
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
@@ -154,11 +157,13 @@ for stage in "${STAGES[@]}"; do
       ;;
     ncu)
       for case in ${NCU_CASES:-80,64,128,1:fp32:64:pipe 80,64,128,1:bf16:64:pipe}; do
-        IFS=: read -r shape pool T config <<<"$case"
-        run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" ncu --clock-control none --kernel-name regex:decode_step \
+        IFS=: read -r shape pool T config K <<<"$case"
+        kernel=decode_step
+        [[ -n "$K" ]] && kernel=multi_step
+        run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" ncu --clock-control none --kernel-name regex:$kernel \
           --launch-skip 4 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
-          "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config"
+          "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}"
       done
       ;;
     bench)
@@ -168,6 +173,14 @@ for stage in "${STAGES[@]}"; do
     bench-quick)
       run_stage bench "$OUT/bench.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress --no-compile \
         --json "$OUT/bench.json" ${BENCH_ARGS:-}
+      ;;
+    bench-multi | bench-multi-block)
+      # bench-multi-block: the same with the lean kernels off (TORCH_SSD_CUDA_KERNEL=block), for comparison.
+      kernel=""
+      [[ $stage == bench-multi-block ]] && kernel=block
+      run_stage "$stage" "$OUT/$stage.log" "${TO[@]}" env TORCH_SSD_CUDA_KERNEL="$kernel" "$PY" tools/bench_multi.py \
+        --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" --json "$OUT/$stage.json" \
+        ${MULTI_ARGS:-}
       ;;
     *)
       echo "device_run.sh: unknown stage '$stage'" >&2
