@@ -16,6 +16,9 @@ Helpers other test files may import:
   relative_error(out, ref), y_tolerance(dtype), assert_pool_rows_close(...)
   assert_outside_view_unchanged(view, base_before)
   checked_mode fixture                       torch_ssd.set_checks(True), restored afterwards
+  assert_lean_kernel_runs(call, family, lean, monkeypatch)
+                                             the profiler sees the lean kernel by default, not with
+                                             TORCH_SSD_CUDA_KERNEL=block (CUDA only)
 """
 
 from __future__ import annotations
@@ -496,3 +499,23 @@ def assert_step_matches_reference(inputs: dict, pool_before: torch.Tensor, y: to
     src = _slots_list(before["slot_idx"], T)
     for t, slot in written:
         assert_pool_rows_close(pool_after[slot], ref_state[t], pool_before[src[t]], pool_before.dtype)
+
+
+def assert_lean_kernel_runs(call, family: str, lean: str, monkeypatch) -> None:
+    """The CUDA kernels ``call()`` launches whose names contain ``family``, as the
+    profiler sees them: all of them the lean kernel (name containing ``lean``) by
+    default, none of them with TORCH_SSD_CUDA_KERNEL=block -- so that a test comparing
+    the two settings compares two different kernels."""
+
+    def kernels() -> list[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if family in e.name]
+
+    monkeypatch.delenv("TORCH_SSD_CUDA_KERNEL", raising=False)
+    names = kernels()
+    assert names and all(lean in name for name in names), names
+    monkeypatch.setenv("TORCH_SSD_CUDA_KERNEL", "block")
+    names = kernels()
+    assert names and not any(lean in name for name in names), names

@@ -12,6 +12,7 @@ import torch_ssd  # noqa: F401  (registers torch.ops.ssd.*)
 from conftest import (
     STEP_ARGS,
     apply_layout,
+    assert_lean_kernel_runs,
     assert_step_matches_reference,
     clone_inputs,
     make_inputs,
@@ -263,19 +264,8 @@ def test_serving_inputs_take_the_lean_kernel(monkeypatch):
     inputs = make_inputs(None, 4, 3, 24, 128, 1, device="cuda", pool_dtype=torch.bfloat16, dtype=torch.bfloat16,
                          slots="dst", per_head=True, seed=3)
     inputs = apply_layout(inputs, "broadcast")
-
-    def kernels():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.ops.ssd.decode_step(*step_args(inputs))
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if "decode_step" in e.name]
-
-    monkeypatch.delenv("TORCH_SSD_CUDA_KERNEL", raising=False)
-    names = kernels()
-    assert names and all("decode_step_lean" in name for name in names), names
-    monkeypatch.setenv("TORCH_SSD_CUDA_KERNEL", "block")
-    names = kernels()
-    assert names and not any("decode_step_lean" in name for name in names), names
+    assert_lean_kernel_runs(lambda: torch.ops.ssd.decode_step(*step_args(inputs)), "decode_step",
+                            "decode_step_lean", monkeypatch)
 
 
 def test_runs_on_the_current_stream():

@@ -20,7 +20,14 @@ import torch._inductor.config as inductor_config
 from expecttest import assert_expected_inline
 
 import torch_ssd
-from conftest import _seed, apply_layout, assert_outside_view_unchanged, relative_error, y_tolerance
+from conftest import (
+    _seed,
+    apply_layout,
+    assert_lean_kernel_runs,
+    assert_outside_view_unchanged,
+    relative_error,
+    y_tolerance,
+)
 from torch_ssd import reference_multi
 
 H, P, N, G = 4, 3, 20, 2  # N = 20: one full chunk of 16 and a tail of 4
@@ -1002,19 +1009,7 @@ def test_serving_inputs_take_the_lean_multi_kernel(form, monkeypatch):
     base = _lean_case(form, 4, 128, torch.bfloat16, torch.bfloat16)
     op = torch.ops.ssd.decode_step_multi if form == "fixed" else torch.ops.ssd.decode_step_varlen
     args = multi_args if form == "fixed" else varlen_args
-
-    def kernels():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            op(*args(base))
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if "multi_step" in e.name]
-
-    monkeypatch.delenv("TORCH_SSD_CUDA_KERNEL", raising=False)
-    names = kernels()
-    assert names and all("multi_step_lean" in name for name in names), names
-    monkeypatch.setenv("TORCH_SSD_CUDA_KERNEL", "block")
-    names = kernels()
-    assert names and not any("multi_step_lean" in name for name in names), names
+    assert_lean_kernel_runs(lambda: op(*args(base)), "multi_step", "multi_step_lean", monkeypatch)
 
 
 # ---------------------------------------------------------------------------
