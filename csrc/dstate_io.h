@@ -496,15 +496,24 @@ SSD_HD HostChunk load_ordered_chunk(const float* p) {
 // The caller guarantees 16-byte alignment of both addresses.
 // ---------------------------------------------------------------------------
 #if defined(__CUDACC__)
+// BYTES (8 or 16) bytes, both addresses aligned to BYTES.
+template <int BYTES>
+__device__ __forceinline__ void stage_bytes_async(const void* p, void* smem) {
+  static_assert(BYTES == 8 || BYTES == 16, "8- or 16-byte copies");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(p) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(p) : "memory");
+#else
+  using Word = std::conditional_t<BYTES == 16, uint4, uint2>;
+  *static_cast<Word*>(smem) = *static_cast<const Word*>(p);
+#endif
+}
+
 template <int VEC, typename T>
 __device__ __forceinline__ void stage_unit_async(const T* p, void* smem) {
   static_assert(VEC * sizeof(T) == 16, "one chunk is one 16-byte copy");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(p) : "memory");
-#else
-  *static_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(p);
-#endif
+  stage_bytes_async<16>(p, smem);
 }
 
 // Close the group of copies issued so far (call after issuing a batch).
@@ -541,20 +550,24 @@ struct RawChunk {
   alignas(16) uint2 w[kBytes / 8];
 };
 
-// Vector loads through the non-coherent cache, so the block's other rows hit L1.
-// p is aligned to min(16, VEC * sizeof(T)) bytes (checked on the host).
-template <int VEC, typename T>
+// Vector loads of a chunk that many threads read: from global memory through the
+// non-coherent cache (so the block's other rows hit L1), or from shared memory
+// (kStaged: a chunk staged there by stage_bytes_async). p is aligned to
+// min(16, VEC * sizeof(T)) bytes (checked on the host).
+template <int VEC, typename T, bool kStaged = false>
 __device__ __forceinline__ RawChunk<VEC, T> load_raw_shared(const T* p) {
   RawChunk<VEC, T> c;
   if constexpr (RawChunk<VEC, T>::kBytes % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < RawChunk<VEC, T>::kBytes / 16; ++i) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      const uint4* q = reinterpret_cast<const uint4*>(p) + i;
+      const uint4 v = kStaged ? *q : __ldg(q);
       c.w[2 * i] = make_uint2(v.x, v.y);
       c.w[2 * i + 1] = make_uint2(v.z, v.w);
     }
   } else {
-    c.w[0] = __ldg(reinterpret_cast<const uint2*>(p));
+    const uint2* q = reinterpret_cast<const uint2*>(p);
+    c.w[0] = kStaged ? *q : __ldg(q);
   }
   return c;
 }

@@ -178,6 +178,31 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
+def long_rows_case(pool_dtype):
+    """The lean multi-token kernel's B / C staging over several stages (K = 20: three
+    stages of 8 tokens with a 16-bit pool at N = 64), each token writing its own slot,
+    against the CPU."""
+    S, T, K, H, P, G, N = 48, 2, 20, 2, 8, 1, 64
+    pool = randn(S, H, P, N, dtype=pool_dtype)
+    ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
+    ops["dt"] = randn(T, K, H, P, dtype=torch.bfloat16) * 0.3
+    ops.update({k: randn(T, K, G, N, dtype=torch.bfloat16) for k in ("B", "C")})
+    A = -torch.rand(H, 1, 1, generator=GEN) - 0.2
+    D, dt_bias = randn(H, P), randn(H, P) * 0.1
+    src = torch.tensor([3, 5])
+    dst = torch.arange(8, 8 + T * K).view(T, K)
+    res = []
+    for dev in ("cpu", "cuda"):
+        a = {k: v.to(dev) for k, v in ops.items()}
+        pl = pool.to(dev)
+        y = torch.ops.ssd.decode_step_multi(pl, a["x"], a["dt"], A.to(dev).expand(H, P, N), a["B"], a["C"],
+                                            D.to(dev), a["z"], dt_bias.to(dev), True, src.to(dev), dst.to(dev),
+                                            -1, None, True)
+        res.append((y, pl))
+    for name, g, w in zip(("y", "pool"), res[1], res[0]):
+        check(f"long rows {pool_dtype} {name}", g, w)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -189,6 +214,7 @@ def main() -> int:
                           idx_dtype=torch.int32 if layout == "offset" else torch.int64)
                 verb_cases(pool_dtype, layout, N)
                 multi_cases(pool_dtype, layout, N)
+        long_rows_case(pool_dtype)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "
           f"{'' if FAILS else 'cases passed'}")

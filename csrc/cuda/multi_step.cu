@@ -369,12 +369,15 @@ __global__ void __launch_bounds__(kMaxThreads)
 // common.cuh: unit-stride pool rows split evenly over a row's lanes, A broadcast
 // along N, x, z, dt, B, C and y of one type, bfloat16 or float32), with the
 // techniques of decode_step_lean:
-//   * one warp per block, grid (head, row t, group of tiles along P), no shared
-//     memory and no barrier: a block starts its row loads as soon as its slot index
-//     is in;
-//   * B and C chunks straight from global memory (L1) into registers, token k + 1's
-//     loaded before token k's state is stored (a store between them would keep
-//     the compiler from hoisting the loads: it must assume they alias);
+//   * one warp per block, grid (head, row t, group of tiles along P), no block
+//     barrier: a block starts its row loads as soon as its slot index is in;
+//   * B and C: rows of few tokens (kStaged false) read their chunks straight from
+//     global memory (L1) into registers, token k + 1's loaded before token k's
+//     state is stored (a store between them would keep the compiler from hoisting
+//     the loads: it must assume they alias); rows of many tokens (kStaged) stage
+//     them in shared memory by cp.async, up to kWindow tokens at a time in two
+//     buffers, the next stage in flight while this one is read, so no token waits
+//     on L2 (see pick_staged for which);
 //   * the per-(row, token) scalars -- the channel loads, softplus, the decay, y --
 //     are computed once per pair: lane l owns row l % rows_per_warp of the warp and
 //     token l / rows_per_warp of each group of `lanes` tokens, and shuffles them to
@@ -399,14 +402,17 @@ struct LeanMultiLaunch {
   int rows_per_pass = 0;  // rows a warp covers: rows_per_warp
   int tiles = 0;          // tiles along P
   uint32_t heads_per_group = 1;
+  int stage_log2 = 0;       // tokens per stage of B / C in shared memory: 1 << stage_log2 (<= kWindow)
+  int row_pieces_log2 = 0;  // copies per B or C row: N * sizeof(InT) / piece bytes = 1 << row_pieces_log2
 };
 
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
+constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (two per warp)
 
 // Launch bounds: 16 warps per multiprocessor (128 registers) where the inputs are 16-bit
 // (at sm_90 about 60 bytes spill, outside the token loop); float32 inputs take more
 // for their B / C chunks.
-template <typename PoolT, typename InT, int KB>
+template <typename PoolT, typename InT, int KB, bool kStaged>
 __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
     multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
   constexpr int VEC = vec_of<PoolT>();
@@ -476,6 +482,37 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
   };
   const int32_t first_window = pad_row ? -1 : window_dests(0);
 
+  // kStaged: B and C reach the token loop through shared memory, a stage of tokens
+  // at a time: two buffers, the next stage's copies (cp.async) in flight while this
+  // one is read.
+  extern __shared__ __align__(16) unsigned char lean_smem[];
+  InT* const staged = reinterpret_cast<InT*>(lean_smem);
+  constexpr int kPieceBytes = RawChunk<VEC, InT>::kBytes >= 16 ? 16 : 8;  // one copy: the chunks' alignment
+  constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
+  const int n_row = map.lanes * KB * VEC;  // N: a lean row splits evenly over its lanes
+  const int stage_tokens = 1 << L.stage_log2;
+  // Token k's staged B row (its C row follows it).
+  auto staged_b = [&](int64_t k) {
+    const int buf = static_cast<int>(k >> L.stage_log2) & 1;
+    return staged + (buf * stage_tokens + static_cast<int>(k & (stage_tokens - 1))) * 2 * n_row;
+  };
+  // Issue stage st's copies (its tokens that exist) and close their group.
+  auto issue_stage = [&](int64_t st) {
+    const int64_t k0 = st << L.stage_log2;
+    const int64_t left = count - k0;
+    const int n_tok = left <= 0 ? 0 : left < stage_tokens ? static_cast<int>(left) : stage_tokens;
+    const int pieces = n_tok << (L.row_pieces_log2 + 1);  // B and C rows of n_tok tokens
+    InT* const buf = staged_b(k0);
+    for (int i = lane; i < pieces; i += kWarp) {
+      const int row = i >> L.row_pieces_log2;  // 2 * token + (0: B, 1: C)
+      const int piece = i & ((1 << L.row_pieces_log2) - 1);
+      const int64_t k = k0 + (row >> 1);
+      const InT* src = (row & 1 ? C0 + k * m.C_tok : B0 + k * m.B_tok) + piece * kPieceElems;
+      stage_bytes_async<kPieceBytes>(src, buf + row * n_row + piece * kPieceElems);
+    }
+    stage_commit();
+  };
+
 #pragma unroll 1
   for (int tile = blockIdx.z; tile < L.tiles; tile += gridDim.z) {
     const int64_t warp_base = static_cast<int64_t>(tile) * L.rows_per_pass;
@@ -499,20 +536,25 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
         raw[j] = valid ? load_chunk_raw(row + (j * map.lanes + li) * VEC) : make_uint4(0, 0, 0, 0);
     }
 
-    // While the rows are in flight: the pair's constant inputs, token 0's B and C,
-    // the first group's inputs.
-    const InT* b_tok = B0;  // token k's B and C
-    const InT* c_tok = C0;
-    RawChunk<VEC, InT> nb[KB], nc[KB];  // the next token's B and C
+    // While the rows are in flight: token 0's B and C (or their first stage), the
+    // pair's constant inputs, the first group's inputs.
+    const InT* b_next = B0;  // the next token's B and C in global memory (!kStaged)
+    const InT* c_next = C0;
+    RawChunk<VEC, InT> nb[kStaged ? 1 : KB], nc[kStaged ? 1 : KB];  // their chunks (!kStaged)
     auto load_bc = [&]() {
 #pragma unroll
       for (int j = 0; j < KB; ++j) {
         const int c = j * map.lanes + li;
-        nb[j] = load_raw_shared<VEC>(b_tok + c * VEC);
-        nc[j] = load_raw_shared<VEC>(c_tok + c * VEC);
+        nb[kStaged ? 0 : j] = load_raw_shared<VEC>(b_next + c * VEC);
+        nc[kStaged ? 0 : j] = load_raw_shared<VEC>(c_next + c * VEC);
       }
     };
-    load_bc();
+    if constexpr (kStaged) {
+      __syncwarp();  // the previous tile's reads of the buffers are done
+      issue_stage(0);
+    } else {
+      load_bc();
+    }
     ChannelInputs in;  // the pair's inputs
     if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p_own);
     if (s.D.present()) in.D = s.D.at(h, p_own);
@@ -544,26 +586,42 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
     for (int64_t k = 0; k < count; ++k) {
       const int jt = static_cast<int>(k & (map.lanes - 1));  // token within the group
       if (k > 0 && k % kWindow == 0) window = window_dests(k);
+      if (kStaged && (k & (stage_tokens - 1)) == 0) {  // a new stage: the next one goes out, this one must be in
+        __syncwarp();  // the buffer the next stage fills is read by no lane
+        issue_stage((k >> L.stage_log2) + 1);
+        stage_wait_prior<1>();
+        __syncwarp();  // every lane's copies of this stage are visible to all
+      }
+      const InT* b_tok = kStaged ? staged_b(k) : nullptr;  // token k's staged B and C
+      const InT* c_tok = kStaged ? b_tok + n_row : nullptr;
       const int owner = (jt << rpw_log2) | row_in_warp;  // the lane of (this row, token k)
       const float dA = __shfl_sync(kFullMask, dA_own, owner);
       const float dtx = __shfl_sync(kFullMask, dtx_own, owner);
       float acc = 0.0f;
 #pragma unroll
       for (int j = 0; j < KB; ++j) {
+        const int c = j * map.lanes + li;
         float b[VEC], cc[VEC];
-        widen_raw(nb[j], b);
-        widen_raw(nc[j], cc);
+        if constexpr (kStaged) {
+          widen_raw(load_raw_shared<VEC, InT, true>(b_tok + c * VEC), b);
+          widen_raw(load_raw_shared<VEC, InT, true>(c_tok + c * VEC), cc);
+        } else {
+          widen_raw(nb[j], b);
+          widen_raw(nc[j], cc);
+        }
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           st[j][v] = advance(st[j][v], dA, dtx, b[v]);
           acc = accumulate_y(acc, st[j][v], cc[v]);
         }
       }
-      // The next token's loads go out before this token's stores.
+      // The next token's (next group's) loads go out before this token's stores.
       const bool group_ends = jt == map.lanes - 1 || k + 1 == count;
       if (k + 1 < count) {
-        b_tok += m.B_tok, c_tok += m.C_tok;
-        load_bc();
+        if constexpr (!kStaged) {
+          b_next += m.B_tok, c_next += m.C_tok;
+          load_bc();
+        }
         if (group_ends) load_pair(k + 1 + k_lane);
       }
       const int32_t dst = __shfl_sync(kFullMask, window, static_cast<int>(k % kWindow));
@@ -639,8 +697,19 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles) {
   return per;
 }
 
+// Whether the lean kernel stages B / C in shared memory: for rows of kWindow tokens
+// or more on average (TORCH_SSD_CUDA_MULTI_STAGED=0 / 1 overrides). Measured on the
+// H200 (BENCHMARKS.md, 2026-12-01): staging is up to 8 % faster at K = 8 and up to
+// 13 % slower at K = 2 and 4, where a row's one or two stages leave its fixed cost
+// (copies issued, waited on, warp barriers) unpaid by the tokens.
+bool pick_staged(int64_t tokens, int64_t rows) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_STAGED");
+  if (env && (env[0] == '0' || env[0] == '1') && env[1] == 0) return env[0] == '1';
+  return tokens >= kWindow * rows;
+}
+
 template <typename PoolT, typename InT, int KB>
-void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows,
+void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows, int64_t tokens,
                  cudaStream_t stream) {
   LeanMultiLaunch L;
   L.map = map;
@@ -651,7 +720,17 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   const int per = pick_multi_tiles(d.H * d.T * tiles, tiles);
   const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows),
                   static_cast<unsigned>((tiles + per - 1) / per));
-  launch_kernel(multi_step_lean<PoolT, InT, KB>, grid, dim3(kWarp), 0, stream, use_pdl(), m, L);
+  // B / C staging: stages of up to kWindow tokens, one buffer at most kStageBytes.
+  const int64_t token_bytes = 2 * d.N * static_cast<int64_t>(sizeof(InT));
+  while ((int64_t{2} << L.stage_log2) <= kWindow && (token_bytes << (L.stage_log2 + 1)) <= kStageBytes) ++L.stage_log2;
+  const int64_t piece_bytes = std::min<int64_t>(16, vec_of<PoolT>() * static_cast<int64_t>(sizeof(InT)));
+  while ((piece_bytes << (L.row_pieces_log2 + 1)) <= d.N * static_cast<int64_t>(sizeof(InT))) ++L.row_pieces_log2;
+  if (pick_staged(tokens, d.T)) {
+    const size_t smem = static_cast<size_t>(2 * token_bytes) << L.stage_log2;
+    launch_kernel(multi_step_lean<PoolT, InT, KB, true>, grid, dim3(kWarp), smem, stream, use_pdl(), m, L);
+  } else {
+    launch_kernel(multi_step_lean<PoolT, InT, KB, false>, grid, dim3(kWarp), 0, stream, use_pdl(), m, L);
+  }
 }
 
 void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt,
@@ -685,7 +764,7 @@ void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, co
       };
       with_in_type([&](auto in_tag) {
         using InT = decltype(in_tag);
-        launch_lean<PoolT, InT, 32 / vec_of<PoolT>()>(d, m, map, grid_rows, stream);
+        launch_lean<PoolT, InT, 32 / vec_of<PoolT>()>(d, m, map, grid_rows, varlen ? md.L : d.T * md.K, stream);
       });
       return;
     }
