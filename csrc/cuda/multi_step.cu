@@ -410,8 +410,9 @@ constexpr int kWindow = 8;  // tokens whose overridden writes are decided togeth
 constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (two per warp)
 
 // Launch bounds: 16 warps per multiprocessor (128 registers) where the inputs are 16-bit
-// (at sm_90 about 60 bytes spill, outside the token loop); float32 inputs take more
-// for their B / C chunks.
+// (at sm_90 0-60 bytes spill without staging, outside the token loop; 0-104 bytes with
+// it); float32 inputs take more for their B / C chunks. A cap of 96 registers spilled
+// more and ran 5-30 % slower (BENCHMARKS.md, 2026-12-01).
 template <typename PoolT, typename InT, int KB, bool kStaged>
 __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
     multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
@@ -699,9 +700,9 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles) {
 
 // Whether the lean kernel stages B / C in shared memory: for rows of kWindow tokens
 // or more on average (TORCH_SSD_CUDA_MULTI_STAGED=0 / 1 overrides). Measured on the
-// H200 (BENCHMARKS.md, 2026-12-01): staging is up to 8 % faster at K = 8 and up to
-// 13 % slower at K = 2 and 4, where a row's one or two stages leave its fixed cost
-// (copies issued, waited on, warp barriers) unpaid by the tokens.
+// H200 (BENCHMARKS.md, 2026-12-01): staging every row was -2..+9 % at K = 8 (mostly
+// faster) and up to 13 % slower at K = 2 and 4, where a row's one or two stages leave
+// its fixed cost (copies issued, waited on, warp barriers) unpaid by the tokens.
 bool pick_staged(int64_t tokens, int64_t rows) {
   const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_STAGED");
   if (env && (env[0] == '0' || env[0] == '1') && env[1] == 0) return env[0] == '1';
