@@ -21,7 +21,8 @@
 #   bench-quick the same without torch.compile(reference)
 #   bench-multi tools/bench_multi.py (multi-token step; no reference timings), MULTI_ARGS extra
 #               arguments, MULTI_BUDGET seconds per timing (default 0.15); bench-multi-block: the
-#               same with the lean kernels off
+#               same with the lean kernels off; bench-multi-bc: once per lean B / C path in BC_PATHS
+#               (default "registers staged widened"; TORCH_SSD_CUDA_MULTI_BC), logs bench-multi-<path>.log
 #
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
@@ -181,6 +182,13 @@ for stage in "${STAGES[@]}"; do
       run_stage "$stage" "$OUT/$stage.log" "${TO[@]}" env TORCH_SSD_CUDA_KERNEL="$kernel" "$PY" tools/bench_multi.py \
         --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" --json "$OUT/$stage.json" \
         ${MULTI_ARGS:-}
+      ;;
+    bench-multi-bc)
+      for path in ${BC_PATHS:-registers staged widened}; do
+        run_stage "$stage-$path" "$OUT/bench-multi-$path.log" "${TO[@]}" env TORCH_SSD_CUDA_MULTI_BC="$path" \
+          "$PY" tools/bench_multi.py --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" \
+          ${MULTI_ARGS:-}
+      done
       ;;
     *)
       echo "device_run.sh: unknown stage '$stage'" >&2
