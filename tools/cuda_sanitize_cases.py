@@ -13,6 +13,7 @@ kernels, so the script fails on its own (exit 1) if a CUDA result is wrong.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -178,11 +179,14 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
-def long_rows_case(pool_dtype):
-    """The lean multi-token kernel's B / C staging over several stages (K = 20: three
-    stages of 8 tokens with a 16-bit pool at N = 64), each token writing its own slot,
-    against the CPU."""
-    S, T, K, H, P, G, N = 48, 2, 20, 2, 8, 1, 64
+def long_rows_case(pool_dtype, bc_path):
+    """A long row through the lean multi-token kernel's B / C path `bc_path` (K = 20:
+    widened, both float32 buffers in turn ten times, and each warp walks two tiles of
+    rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64), each token
+    writing its own slot, against the CPU."""
+    os.environ["TORCH_SSD_CUDA_MULTI_BC"] = bc_path
+    os.environ["TORCH_SSD_CUDA_MULTI_TILES"] = "2"
+    S, T, K, H, P, G, N = 48, 2, 20, 2, 40, 1, 64
     pool = randn(S, H, P, N, dtype=pool_dtype)
     ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
     ops["dt"] = randn(T, K, H, P, dtype=torch.bfloat16) * 0.3
@@ -200,7 +204,8 @@ def long_rows_case(pool_dtype):
                                             -1, None, True)
         res.append((y, pl))
     for name, g, w in zip(("y", "pool"), res[1], res[0]):
-        check(f"long rows {pool_dtype} {name}", g, w)
+        check(f"long rows {pool_dtype} {bc_path} {name}", g, w)
+    del os.environ["TORCH_SSD_CUDA_MULTI_BC"], os.environ["TORCH_SSD_CUDA_MULTI_TILES"]
 
 
 def main() -> int:
@@ -214,7 +219,8 @@ def main() -> int:
                           idx_dtype=torch.int32 if layout == "offset" else torch.int64)
                 verb_cases(pool_dtype, layout, N)
                 multi_cases(pool_dtype, layout, N)
-        long_rows_case(pool_dtype)
+        for bc_path in ("widened", "staged", "registers"):
+            long_rows_case(pool_dtype, bc_path)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "
           f"{'' if FAILS else 'cases passed'}")

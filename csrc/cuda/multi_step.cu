@@ -371,17 +371,22 @@ __global__ void __launch_bounds__(kMaxThreads)
 // techniques of decode_step_lean:
 //   * one warp per block, grid (head, row t, group of tiles along P), no block
 //     barrier: a block starts its row loads as soon as its slot index is in;
-//   * B and C: rows of few tokens (kStaged false) read their chunks straight from
-//     global memory (L1) into registers, token k + 1's loaded before token k's
-//     state is stored (a store between them would keep the compiler from hoisting
-//     the loads: it must assume they alias); rows of many tokens (kStaged) stage
-//     them in shared memory by cp.async, up to kWindow tokens at a time in two
-//     buffers, the next stage in flight while this one is read, so no token waits
-//     on L2 (see pick_staged for which);
+//   * B and C (pick_bc_path): kWidened, the default where a lane's share fits
+//     kMaxWidePieces pieces (N <= 128, or 256 with 16-bit pools and inputs): each
+//     lane loads a 32nd of token k + 2's raw B and C while token k is computed, and
+//     widens it once for the whole warp into one of two float32 buffers in shared
+//     memory (one warp barrier per token), so the 8 rows that read the same chunks
+//     no longer widen them 8 times; and each thread takes two rows (kRows: the same
+//     chunks of rows r and r + rows_per_warp), so every token's B / C reads,
+//     shuffles, slot and loop work serve twice the elements. Otherwise kRegisters
+//     (each lane loads its own chunks a token ahead into registers, before token
+//     k's stores: a store between them would keep the compiler from hoisting the
+//     loads, it must assume they alias) or kStaged (raw bytes of up to kWindow
+//     tokens staged by cp.async, two stages in flight);
 //   * the per-(row, token) scalars -- the channel loads, softplus, the decay, y --
-//     are computed once per pair: lane l owns row l % rows_per_warp of the warp and
-//     token l / rows_per_warp of each group of `lanes` tokens, and shuffles them to
-//     the row's lanes;
+//     are computed once per pair: lane l owns row l % rows_per_warp of each of the
+//     thread's kRows row blocks and token l / rows_per_warp of each group of
+//     `lanes` tokens, and shuffles them to the row's lanes;
 //   * programmatic dependent launch on sm_90.
 // Which writes a later write to the same slot overrides (multi_last_writer's rule)
 // is decided by the warp for a window of kWindow tokens at a time: each lane takes
@@ -399,7 +404,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 struct LeanMultiLaunch {
   RowMap map;
-  int rows_per_pass = 0;  // rows a warp covers: rows_per_warp
+  int rows_per_pass = 0;  // rows a warp covers: kRows * rows_per_warp
   int tiles = 0;          // tiles along P
   uint32_t heads_per_group = 1;
   int stage_log2 = 0;       // tokens per stage of B / C in shared memory: 1 << stage_log2 (<= kWindow)
@@ -408,15 +413,30 @@ struct LeanMultiLaunch {
 
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
 constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (two per warp)
+constexpr int kMaxWidePieces = 2;      // kWidened: pieces of B / C per lane and token
 
-// Launch bounds: 16 warps per multiprocessor (128 registers) where the inputs are 16-bit
-// (at sm_90 0-60 bytes spill without staging, outside the token loop; 0-104 bytes with
-// it); float32 inputs take more for their B / C chunks. A cap of 96 registers spilled
-// more and ran 5-30 % slower (BENCHMARKS.md, 2026-12-01).
-template <typename PoolT, typename InT, int KB, bool kStaged>
-__global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
+// How the lean kernel's B and C reach the token loop (pick_bc_path).
+enum class BcPath {
+  kRegisters,  // each lane loads its own chunks, a token ahead, into registers and widens them
+  kStaged,     // a stage of tokens' raw bytes copied into shared memory by cp.async, widened by each lane
+  kWidened,    // each lane loads a 32nd of the next token's B and C and widens it once for the whole
+               // warp into a float32 buffer (two buffers); every lane reads its chunks as floats
+};
+
+// Launch bounds: kWidened (two rows: 64 state floats) 12 warps per multiprocessor, 168
+// registers, no spill at sm_90. The others (one row): 16 warps (128 registers) where the
+// inputs are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take more
+// for their B / C chunks; a cap of 96 registers spilled more and ran 5-30 % slower
+// (BENCHMARKS.md, 2026-12-01).
+template <typename PoolT, typename InT, int KB, BcPath kBc>
+__global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
+                                  kBc == BcPath::kWidened ? 12 : (sizeof(InT) == 2 ? 2 : 1))
     multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
   constexpr int VEC = vec_of<PoolT>();
+  constexpr bool kStaged = kBc == BcPath::kStaged;
+  constexpr bool kWidened = kBc == BcPath::kWidened;
+  constexpr bool kRegisters = kBc == BcPath::kRegisters;
+  constexpr int kRows = kWidened ? 2 : 1;  // rows per thread (the same chunks of each)
   const StepParams& s = m.step;
   const RowMap& map = L.map;
   const uint32_t h = blockIdx.x, t = blockIdx.y;
@@ -439,8 +459,10 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
   if (count == 0) return;  // owns no token
   const int64_t src = multi_source_slot(m, t);
   const bool pad_row = !slot_addressable(src, s.S, s.pad_slot_id);
-  auto y_at = [&](int64_t k, int64_t p) {
-    return static_cast<InT*>(s.y) + (k * m.y_tok + first * s.y_stride[0] + h * s.y_stride[1] + p * s.y_stride[2]);
+  // Element (token 0 of this row, head h, channel p) of x, dt, z or y; token k of the
+  // row is k token strides on.
+  auto pair_in = [&](const OperandRef& o, int64_t p) {
+    return static_cast<const InT*>(o.data) + (first * o.stride[0] + h * o.stride[1] + p * o.stride[2]);
   };
   PoolT* pool = static_cast<PoolT*>(s.pool);
   const InT* B0 = static_cast<const InT*>(s.B.data) + first * s.B.stride[0] + g * s.B.stride[1];
@@ -514,72 +536,154 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
     stage_commit();
   };
 
+  // kWidened: token k's B row, then its C row, in float32 in buffer k % 2. A token's
+  // raw B and C are cut into pieces of kPieceBytes; lane l loads pieces l and l + 32
+  // (those that exist; B's pieces first, then C's), a token ahead, and widens them
+  // into floats piece * kPieceElems on of the buffer.
+  float* const wide = reinterpret_cast<float*>(lean_smem);
+  float* const wide_lane = wide + lane * kPieceElems;
+  const int wide_pieces = 2 << L.row_pieces_log2;
+  RawChunk<kPieceElems, InT> pieces[kMaxWidePieces];
+  const InT* piece_at[kMaxWidePieces];  // this lane's pieces of the next token to load
+  bool piece_of_c[kMaxWidePieces];
+  auto first_pieces = [&]() {  // the next token to load is token 0
+#pragma unroll
+    for (int i = 0; i < kMaxWidePieces; ++i) {
+      const int piece = lane + i * kWarp;
+      piece_of_c[i] = (piece >> L.row_pieces_log2) != 0;
+      piece_at[i] = (piece_of_c[i] ? C0 : B0) + (piece & ((1 << L.row_pieces_log2) - 1)) * kPieceElems;
+    }
+  };
+  auto load_pieces = [&]() {  // the next token's pieces into registers
+#pragma unroll
+    for (int i = 0; i < kMaxWidePieces; ++i) {
+      if (lane + i * kWarp >= wide_pieces) break;
+      pieces[i] = load_raw_shared<kPieceElems>(piece_at[i]);
+      piece_at[i] += piece_of_c[i] ? m.C_tok : m.B_tok;
+    }
+  };
+  auto store_pieces = [&](int64_t k) {  // the loaded pieces, widened into token k's buffer
+    float* const buf = wide_lane + static_cast<int>(k & 1) * 2 * n_row;
+#pragma unroll
+    for (int i = 0; i < kMaxWidePieces; ++i) {
+      if (lane + i * kWarp >= wide_pieces) break;
+      float r[kPieceElems];
+      widen_raw(pieces[i], r);
+#pragma unroll
+      for (int v = 0; v < kPieceElems; v += 4)
+        *reinterpret_cast<float4*>(buf + i * kWarp * kPieceElems + v) = make_float4(r[v], r[v + 1], r[v + 2], r[v + 3]);
+    }
+  };
+
+  const int rpw = 1 << rpw_log2;
+  // Row r of a thread (and of its pairs) lies r * rpw rows after its row 0.
+  const int64_t pool_half = rpw * s.pool_stride[2];
+  auto half_in = [&](const InT* own0, const OperandRef& o, int r, bool row_valid) {
+    return r == 0 || !row_valid ? own0 : own0 + r * rpw * o.stride[2];  // a missing row reads row 0's
+  };
+
 #pragma unroll 1
   for (int tile = blockIdx.z; tile < L.tiles; tile += gridDim.z) {
     const int64_t warp_base = static_cast<int64_t>(tile) * L.rows_per_pass;
-    const int64_t p_any = warp_base + row_in_warp;  // this thread's row (its chunks along N)
-    const bool valid = p_any < s.P;
-    const int64_t p = valid ? p_any : 0;
-    const int64_t p_own_any = warp_base + q_own;  // the row of its (row, token) pairs
-    const bool own_valid = p_own_any < s.P;
-    const int64_t p_own = own_valid ? p_own_any : 0;
+    const int64_t p_any = warp_base + row_in_warp;  // this thread's row 0 (its chunks along N)
+    const int64_t p = p_any < s.P ? p_any : 0;
+    bool valid[kRows];
+    const int64_t p_own_any = warp_base + q_own;  // row 0 of its (row, token) pairs
+    const int64_t p_own = p_own_any < s.P ? p_own_any : 0;
+    bool own_valid[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      valid[r] = p_any + r * rpw < s.P;
+      own_valid[r] = p_own_any + r * rpw < s.P;
+    }
+    InT* const y_own = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_own * s.y_stride[2]);
+    auto y_half = [&](int r) { return r == 0 || !own_valid[r] ? y_own : y_own + r * rpw * s.y_stride[2]; };
     if (pad_row) {  // y = 0, the pool untouched
-      if (own_valid)
-        for (int64_t k = k_lane; k < count; k += map.lanes) *y_at(k, p_own) = narrow<InT>(0.0f);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (own_valid[r])
+          for (int64_t k = k_lane; k < count; k += map.lanes) y_half(r)[k * m.y_tok] = narrow<InT>(0.0f);
       continue;
     }
-    const int64_t row_offset = s.pool_offset(0, h, p);  // + slot * pool_stride[0]
-    uint4 raw[KB];
+    const int64_t row_offset = s.pool_offset(0, h, p);  // row 0's, + slot * pool_stride[0]
+    uint4 raw[kRows][KB];
     {
       const PoolT* row = pool + (src * s.pool_stride[0] + row_offset);
 #pragma unroll
-      for (int j = 0; j < KB; ++j)
-        raw[j] = valid ? load_chunk_raw(row + (j * map.lanes + li) * VEC) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < KB; ++j)
+          raw[r][j] = valid[r] ? load_chunk_raw(row + r * pool_half + (j * map.lanes + li) * VEC)
+                               : make_uint4(0, 0, 0, 0);
     }
 
     // While the rows are in flight: token 0's B and C (or their first stage), the
-    // pair's constant inputs, the first group's inputs.
-    const InT* b_next = B0;  // the next token's B and C in global memory (!kStaged)
+    // pairs' constant inputs, the first group's inputs.
+    const InT* b_next = B0;  // the next token's B and C in global memory (kRegisters)
     const InT* c_next = C0;
-    RawChunk<VEC, InT> nb[kStaged ? 1 : KB], nc[kStaged ? 1 : KB];  // their chunks (!kStaged)
+    RawChunk<VEC, InT> nb[kRegisters ? KB : 1], nc[kRegisters ? KB : 1];  // their chunks (kRegisters)
     auto load_bc = [&]() {
 #pragma unroll
-      for (int j = 0; j < KB; ++j) {
+      for (int j = 0; j < (kRegisters ? KB : 0); ++j) {
         const int c = j * map.lanes + li;
-        nb[kStaged ? 0 : j] = load_raw_shared<VEC>(b_next + c * VEC);
-        nc[kStaged ? 0 : j] = load_raw_shared<VEC>(c_next + c * VEC);
+        nb[j] = load_raw_shared<VEC>(b_next + c * VEC);
+        nc[j] = load_raw_shared<VEC>(c_next + c * VEC);
       }
     };
     if constexpr (kStaged) {
       __syncwarp();  // the previous tile's reads of the buffers are done
       issue_stage(0);
+    } else if constexpr (kWidened) {
+      first_pieces();
+      load_pieces();  // token 0 (the previous tile's reads ended at its last token's barrier)
     } else {
       load_bc();
     }
-    ChannelInputs in;  // the pair's inputs
-    if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p_own);
-    if (s.D.present()) in.D = s.D.at(h, p_own);
-    const float a_own = s.A.at(h, p_own);
-    float nx = 0.0f, ndt = 0.0f, nz = 0.0f;  // x, dt, z of the pair's next token (clamped to the row)
+    ChannelInputs in[kRows];  // the pairs' inputs
+    float a_own[kRows];
+    float nx[kRows], ndt[kRows], nz[kRows];  // x, dt, z of the pairs' next token (clamped to the row)
+    const InT* const x_own = pair_in(s.x, p_own);
+    const InT* const dt_own = pair_in(s.dt, p_own);
+    const InT* const z_own = s.z.present() ? pair_in(s.z, p_own) : nullptr;
     auto load_pair = [&](int64_t k) {
       const int64_t kr = k < count ? k : count - 1;
-      nx = load_in<InT>(s.x, first, h, p_own, kr * m.x_tok);
-      ndt = load_in<InT>(s.dt, first, h, p_own, kr * m.dt_tok);
-      if (s.z.present()) nz = load_in<InT>(s.z, first, h, p_own, kr * m.z_tok);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        nx[r] = widen(half_in(x_own, s.x, r, own_valid[r])[kr * m.x_tok]);
+        ndt[r] = widen(half_in(dt_own, s.dt, r, own_valid[r])[kr * m.dt_tok]);
+        nz[r] = z_own ? widen(half_in(z_own, s.z, r, own_valid[r])[kr * m.z_tok]) : 0.0f;
+      }
     };
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t pr = own_valid[r] ? p_own + r * rpw : p_own;
+      if (s.dt_bias.present()) in[r].dt_bias = s.dt_bias.at(h, pr);
+      if (s.D.present()) in[r].D = s.D.at(h, pr);
+      a_own[r] = s.A.at(h, pr);
+    }
     load_pair(k_lane);
 
-    float st[KB][VEC];
+    float st[kRows][KB][VEC];
 #pragma unroll
-    for (int j = 0; j < KB; ++j) widen_chunk<VEC, PoolT>(raw[j], st[j]);
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int j = 0; j < KB; ++j) widen_chunk<VEC, PoolT>(raw[r][j], st[r][j]);
+    if constexpr (kWidened) {
+      store_pieces(0);
+      if (count > 1) load_pieces();  // token 1
+      __syncwarp();  // token 0's buffer is visible to every lane
+    }
 
-    float dA_own = 0.0f, dtx_own = 0.0f, y_sum = 0.0f;
+    float dA_own[kRows], dtx_own[kRows], y_sum[kRows];
     auto start_group = [&]() {
-      in.x = nx, in.dt = ndt, in.z = nz;
-      const float dtv = channel_dt(s, in);
-      dtx_own = dtv * in.x;
-      dA_own = decay(a_own, dtv);
-      y_sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        in[r].x = nx[r], in[r].dt = ndt[r], in[r].z = nz[r];
+        const float dtv = channel_dt(s, in[r]);
+        dtx_own[r] = dtv * in[r].x;
+        dA_own[r] = decay(a_own[r], dtv);
+        y_sum[r] = 0.0f;
+      }
     };
     start_group();
     int32_t window = first_window;
@@ -593,12 +697,23 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
         stage_wait_prior<1>();
         __syncwarp();  // every lane's copies of this stage are visible to all
       }
+      // kWidened: token k + 1 goes into the other buffer (its readers, at token k - 1,
+      // passed the barrier that ends each token), token k + 2's pieces go out.
+      if (kWidened && k + 1 < count) {
+        store_pieces(k + 1);
+        if (k + 2 < count) load_pieces();  // token k + 2
+      }
+      const float* wide_b = wide + static_cast<int>(k & 1) * 2 * n_row;  // token k's (kWidened)
       const InT* b_tok = kStaged ? staged_b(k) : nullptr;  // token k's staged B and C
       const InT* c_tok = kStaged ? b_tok + n_row : nullptr;
       const int owner = (jt << rpw_log2) | row_in_warp;  // the lane of (this row, token k)
-      const float dA = __shfl_sync(kFullMask, dA_own, owner);
-      const float dtx = __shfl_sync(kFullMask, dtx_own, owner);
-      float acc = 0.0f;
+      float dA[kRows], dtx[kRows], acc[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        dA[r] = __shfl_sync(kFullMask, dA_own[r], owner);
+        dtx[r] = __shfl_sync(kFullMask, dtx_own[r], owner);
+        acc[r] = 0.0f;
+      }
 #pragma unroll
       for (int j = 0; j < KB; ++j) {
         const int c = j * map.lanes + li;
@@ -606,40 +721,59 @@ __global__ void __launch_bounds__(kMaxThreads, sizeof(InT) == 2 ? 2 : 1)
         if constexpr (kStaged) {
           widen_raw(load_raw_shared<VEC, InT, true>(b_tok + c * VEC), b);
           widen_raw(load_raw_shared<VEC, InT, true>(c_tok + c * VEC), cc);
+        } else if constexpr (kWidened) {
+#pragma unroll
+          for (int v = 0; v < VEC; v += 4) {
+            const float4 bv = *reinterpret_cast<const float4*>(wide_b + c * VEC + v);
+            const float4 cv = *reinterpret_cast<const float4*>(wide_b + n_row + c * VEC + v);
+            b[v] = bv.x, b[v + 1] = bv.y, b[v + 2] = bv.z, b[v + 3] = bv.w;
+            cc[v] = cv.x, cc[v + 1] = cv.y, cc[v + 2] = cv.z, cc[v + 3] = cv.w;
+          }
         } else {
           widen_raw(nb[j], b);
           widen_raw(nc[j], cc);
         }
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-          st[j][v] = advance(st[j][v], dA, dtx, b[v]);
-          acc = accumulate_y(acc, st[j][v], cc[v]);
-        }
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            st[r][j][v] = advance(st[r][j][v], dA[r], dtx[r], b[v]);
+            acc[r] = accumulate_y(acc[r], st[r][j][v], cc[v]);
+          }
       }
       // The next token's (next group's) loads go out before this token's stores.
       const bool group_ends = jt == map.lanes - 1 || k + 1 == count;
       if (k + 1 < count) {
-        if constexpr (!kStaged) {
+        if constexpr (kRegisters) {
           b_next += m.B_tok, c_next += m.C_tok;
           load_bc();
         }
         if (group_ends) load_pair(k + 1 + k_lane);
       }
       const int32_t dst = __shfl_sync(kFullMask, window, static_cast<int>(k % kWindow));
-      if (valid && dst >= 0) {
-        PoolT* row = pool + (dst * s.pool_stride[0] + row_offset);
+      if (dst >= 0) {
+        PoolT* const row = pool + (dst * s.pool_stride[0] + row_offset);
 #pragma unroll
-        for (int j = 0; j < KB; ++j)
-          store_chunk_raw(row + (j * map.lanes + li) * VEC, narrow_chunk<VEC, PoolT>(st[j]));
+        for (int r = 0; r < kRows; ++r)
+          if (valid[r])
+#pragma unroll
+            for (int j = 0; j < KB; ++j)
+              store_chunk_raw(row + r * pool_half + (j * map.lanes + li) * VEC, narrow_chunk<VEC, PoolT>(st[r][j]));
       }
-      const float sum = row_sum(acc, map.lanes);
-      const float got = __shfl_sync(kFullMask, sum, q_own << map.lanes_log2);
-      if (jt == k_lane) y_sum = got;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float sum = row_sum(acc[r], map.lanes);
+        const float got = __shfl_sync(kFullMask, sum, q_own << map.lanes_log2);
+        if (jt == k_lane) y_sum[r] = got;
+      }
       if (group_ends) {
         const int64_t k_own = k - jt + k_lane;
-        if (own_valid && k_own < count) *y_at(k_own, p_own) = narrow<InT>(finish_y(s, y_sum, in));
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (own_valid[r] && k_own < count) y_half(r)[k_own * m.y_tok] = narrow<InT>(finish_y(s, y_sum[r], in[r]));
         if (k + 1 < count) start_group();
       }
+      if constexpr (kWidened) __syncwarp();  // every lane has read token k's buffer
     }
   }
 }
@@ -684,29 +818,38 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
 }
 
 // Tiles along P per warp of the lean kernel (TORCH_SSD_CUDA_MULTI_TILES=1..64
-// overrides): as many as keep at least kMinWaves waves of warps at 16 warps per
-// multiprocessor, so that the first window's decision and the row's slots serve
+// overrides): as many as keep at least kMinWaves waves of warps at warps_per_sm
+// (what the kernel's registers allow), so that the first window's decision and the row's slots serve
 // several tiles without leaving multiprocessors idle at the end.
-int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles) {
+int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm) {
   const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
   const int forced = env ? std::atoi(env) : 0;
   if (forced >= 1 && forced <= 64) return static_cast<int>(std::min<int64_t>(forced, tiles));
   constexpr int64_t kMinWaves = 3;
-  const int64_t slots = 16 * static_cast<int64_t>(num_sms());
+  const int64_t slots = warps_per_sm * static_cast<int64_t>(num_sms());
   int per = 1;
   while (per * 2 <= tiles && warps_one_tile_each / (per * 2) >= kMinWaves * slots) per *= 2;
   return per;
 }
 
-// Whether the lean kernel stages B / C in shared memory: for rows of kWindow tokens
-// or more on average (TORCH_SSD_CUDA_MULTI_STAGED=0 / 1 overrides). Measured on the
-// H200 (BENCHMARKS.md, 2026-12-01): staging every row was -2..+9 % at K = 8 (mostly
-// faster) and up to 13 % slower at K = 2 and 4, where a row's one or two stages leave
-// its fixed cost (copies issued, waited on, warp barriers) unpaid by the tokens.
-bool pick_staged(int64_t tokens, int64_t rows) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_STAGED");
-  if (env && (env[0] == '0' || env[0] == '1') && env[1] == 0) return env[0] == '1';
-  return tokens >= kWindow * rows;
+// How the lean kernel reads B / C (TORCH_SSD_CUDA_MULTI_BC=registers / staged / widened
+// overrides): widened wherever a lane's share of a token fits kMaxWidePieces pieces,
+// else staged for rows of kWindow tokens or more on average, registers below.
+// Measured on the H200 (BENCHMARKS.md, 2026-12-01, second session): widened (two rows
+// per thread) against the former choice (registers below K = 8, staged at 8) -16..+4 %
+// in time, 19 of 24 benchmark rows faster; staging every row was up to 13 % slower
+// than registers at K = 2 and 4 (a row's one or two stages leave their fixed cost
+// unpaid by the tokens).
+BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces) {
+  const bool widened_fits = pieces <= kWarp * kMaxWidePieces;
+  if (const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_BC")) {
+    const std::string v(env);
+    if (v == "registers") return BcPath::kRegisters;
+    if (v == "staged") return BcPath::kStaged;
+    if (v == "widened" && widened_fits) return BcPath::kWidened;
+  }
+  if (widened_fits) return BcPath::kWidened;
+  return tokens >= kWindow * rows ? BcPath::kStaged : BcPath::kRegisters;
 }
 
 template <typename PoolT, typename InT, int KB>
@@ -714,23 +857,36 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
                  cudaStream_t stream) {
   LeanMultiLaunch L;
   L.map = map;
-  L.rows_per_pass = map.rows_per_warp();
   L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
-  const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
-  L.tiles = static_cast<int>(tiles);
-  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles);
-  const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows),
-                  static_cast<unsigned>((tiles + per - 1) / per));
   // B / C staging: stages of up to kWindow tokens, one buffer at most kStageBytes.
   const int64_t token_bytes = 2 * d.N * static_cast<int64_t>(sizeof(InT));
   while ((int64_t{2} << L.stage_log2) <= kWindow && (token_bytes << (L.stage_log2 + 1)) <= kStageBytes) ++L.stage_log2;
   const int64_t piece_bytes = std::min<int64_t>(16, vec_of<PoolT>() * static_cast<int64_t>(sizeof(InT)));
   while ((piece_bytes << (L.row_pieces_log2 + 1)) <= d.N * static_cast<int64_t>(sizeof(InT))) ++L.row_pieces_log2;
-  if (pick_staged(tokens, d.T)) {
-    const size_t smem = static_cast<size_t>(2 * token_bytes) << L.stage_log2;
-    launch_kernel(multi_step_lean<PoolT, InT, KB, true>, grid, dim3(kWarp), smem, stream, use_pdl(), m, L);
-  } else {
-    launch_kernel(multi_step_lean<PoolT, InT, KB, false>, grid, dim3(kWarp), 0, stream, use_pdl(), m, L);
+  const BcPath path = pick_bc_path(tokens, d.T, int64_t{2} << L.row_pieces_log2);
+  const int rows = path == BcPath::kWidened ? 2 : 1;  // the kernel's kRows
+  L.rows_per_pass = rows * map.rows_per_warp();
+  const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
+  L.tiles = static_cast<int>(tiles);
+  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles, rows == 1 ? 16 : 12);
+  const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows),
+                  static_cast<unsigned>((tiles + per - 1) / per));
+  switch (path) {
+    case BcPath::kStaged: {
+      const size_t smem = static_cast<size_t>(2 * token_bytes) << L.stage_log2;
+      launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kStaged>, grid, dim3(kWarp), smem, stream,
+                    use_pdl(), m, L);
+      break;
+    }
+    case BcPath::kWidened: {  // two buffers of a token's B and C rows in float32
+      const size_t smem = 4 * static_cast<size_t>(d.N) * sizeof(float);
+      launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, grid, dim3(kWarp), smem, stream, use_pdl(),
+                    m, L);
+      break;
+    }
+    default:
+      launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kRegisters>, grid, dim3(kWarp), 0, stream,
+                    use_pdl(), m, L);
   }
 }
 
