@@ -15,6 +15,11 @@
 #include "../ssd.h"
 #include "cpu_common.h"
 
+// AVX-sized vectors pass only between always-inlined helpers (see ssd_cpu.cpp).
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace ssd {
 namespace {
 
@@ -61,29 +66,21 @@ Plan make_plan(const MultiStepParams& m) {
   return plan;
 }
 
-// One token on one chunk: st advances in registers and adds st * C into the
-// token's accumulator lanes. Local copies and __restrict let the compiler keep the
-// chunk in vector registers (the scratch rows would otherwise alias each other).
-SSD_CPU_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
-                                    const float* __restrict c, float dA, float dtx) {
-  float a[kVec];
-  for (int v = 0; v < kVec; ++v) a[v] = acc[v];
-  for (int v = 0; v < kVec; ++v) {
-    st[v] = advance(st[v], dA, dtx, b[v]);
-    a[v] += st[v] * c[v];
-  }
-  for (int v = 0; v < kVec; ++v) acc[v] = a[v];
-}
-
-SSD_CPU_INLINE void advance_chunk(float (&st)[kVec], float* __restrict acc, const float* __restrict b,
-                                    const float* __restrict c, const float (&dA)[kVec], float dtx) {
-  float a[kVec];
-  for (int v = 0; v < kVec; ++v) a[v] = acc[v];
-  for (int v = 0; v < kVec; ++v) {
-    st[v] = advance(st[v], dA[v], dtx, b[v]);
-    a[v] += st[v] * c[v];
-  }
-  for (int v = 0; v < kVec; ++v) acc[v] = a[v];
+// One token on one chunk in PoolT's lane order (dstate_io.h: the even and odd
+// elements of a 16-bit chunk in separate registers, so widening and rounding are
+// whole-register operations): st advances and adds st * C into the token's partial
+// sums at acc (floats in the same order; copied in and out, since scratch memory
+// is not vector-aligned) -- the single-token kernel's step_channel arithmetic.
+SSD_CPU_INLINE void advance_chunk(HostChunk& st, float* acc, const HostChunk& dA, const float* b, const float* c,
+                                  HostF32x8 dtx) {
+  const HostChunk bb = load_ordered_chunk(b), cc = load_ordered_chunk(c);
+  HostChunk a = load_ordered_chunk(acc);
+  st.lo = advance_lanes(st.lo, dA.lo, dtx, bb.lo);
+  st.hi = advance_lanes(st.hi, dA.hi, dtx, bb.hi);
+  a.lo = accumulate_lanes(a.lo, st.lo, cc.lo);
+  a.hi = accumulate_lanes(a.hi, st.hi, cc.hi);
+  __builtin_memcpy(acc, &a.lo, sizeof a.lo);
+  __builtin_memcpy(acc + 8, &a.hi, sizeof a.hi);
 }
 
 // The multi-token step for the (row, head) pairs [begin, end).
@@ -93,13 +90,13 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
   const int64_t N = s.N, full = N / kVec, Kmax = plan.max_tokens;
   const int rest = static_cast<int>(N - full * kVec);
   std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + Kmax * (kVec + 3));
-  float* Bf = scratch.data();      // (Kmax, N)
-  float* Cf = Bf + Kmax * N;       // (Kmax, N)
-  float* acc = Cf + Kmax * N;      // (Kmax, kVec)
+  float* Bf = scratch.data();      // (Kmax, N), whole chunks in PoolT's lane order
+  float* Cf = Bf + Kmax * N;       // (Kmax, N), likewise
+  float* acc = Cf + Kmax * N;      // (Kmax, kVec): y's partial sums, PoolT's lane order, then natural
   float* dtx = acc + Kmax * kVec;  // (Kmax,)
   float* dA_splat = dtx + Kmax;    // (Kmax,)
   float* xv = dA_splat + Kmax;     // (Kmax,)
-  float* Af = xv + Kmax;           // (N,) when kAPerN
+  float* Af = xv + Kmax;           // (N,) when kAPerN, in PoolT's lane order
   std::vector<StepParams> views(Kmax);
   std::vector<float> dtv(Kmax);
   for (int64_t k = 0; k < Kmax; ++k) views[k] = token_view(m, k);
@@ -129,8 +126,8 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
     if (t * s.G + g != widened_tg) {  // B and C are shared by the heads of a group
       for (int64_t k = 0; k < count; ++k) {
         const StepParams& v = views[k];
-        widen_row(v.B, first * v.B.stride[0] + g * v.B.stride[1], v.B.stride[2], N, Bf + k * N);
-        widen_row(v.C, first * v.C.stride[0] + g * v.C.stride[1], v.C.stride[2], N, Cf + k * N);
+        widen_row_ordered<PoolT>(v.B, first * v.B.stride[0] + g * v.B.stride[1], v.B.stride[2], N, Bf + k * N);
+        widen_row_ordered<PoolT>(v.C, first * v.C.stride[0] + g * v.C.stride[1], v.C.stride[2], N, Cf + k * N);
       }
       widened_tg = t * s.G + g;
     }
@@ -149,43 +146,44 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
         dtx[k] = dtv[k] * xv[k];
         if (!kAPerN && (p == 0 || !dA_per_head)) dA_splat[k] = decay(a_splat, dtv[k]);
       }
-      if constexpr (kAPerN) widen_row(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
+      if constexpr (kAPerN) widen_row_ordered<PoolT>(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
       std::fill(acc, acc + count * kVec, 0.0f);
 
-      const DstateRow<kVec, kUnit, const PoolT> in{pool + s.pool_offset(row.src, h, p), s.pool_stride[3]};
-      float st[kVec];
+      const int64_t stride = s.pool_stride[3], step = kVec * (kUnit ? 1 : stride);
+      const PoolT* in = pool + s.pool_offset(row.src, h, p);
       // Chunk-outer, token-inner: a chunk of the source is loaded before any token
       // stores to that chunk, so a destination may be the source slot itself.
       for (int64_t c = 0; c < full; ++c) {
-        in.load(c, st);
+        HostChunk st;
+        load_chunk<kUnit>(in + c * step, stride, st);
         for (int64_t k = 0; k < count; ++k) {
+          HostChunk dA;
           if constexpr (kAPerN) {
-            float dA[kVec];
-            for (int v = 0; v < kVec; ++v) dA[v] = decay(Af[c * kVec + v], dtv[k]);
-            advance_chunk(st, acc + k * kVec, Bf + k * N + c * kVec, Cf + k * N + c * kVec, dA, dtx[k]);
+            float d[kVec];
+            for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv[k]);
+            dA = load_ordered_chunk(d);
           } else {
-            advance_chunk(st, acc + k * kVec, Bf + k * N + c * kVec, Cf + k * N + c * kVec, dA_splat[k], dtx[k]);
+            dA = HostChunk{host_splat(dA_splat[k]), host_splat(dA_splat[k])};
           }
-          if (slot_addressable(dst[k], s.S, s.pad_slot_id)) {
-            const DstateRow<kVec, kUnit, PoolT> out{pool + s.pool_offset(dst[k], h, p), s.pool_stride[3]};
-            out.store(c, st);
-          }
+          advance_chunk(st, acc + k * kVec, dA, Bf + k * N + c * kVec, Cf + k * N + c * kVec, host_splat(dtx[k]));
+          if (slot_addressable(dst[k], s.S, s.pad_slot_id))
+            store_chunk<kUnit>(pool + s.pool_offset(dst[k], h, p) + c * step, stride, st);
         }
       }
-      if (rest) {
-        in.load_tail(full, rest, st);
+      for (int64_t k = 0; k < count; ++k) chunk_to_lanes<PoolT>(load_ordered_chunk(acc + k * kVec), acc + k * kVec);
+      if (rest) {  // the tail, element by element into the same lanes of reduce_lanes' tree
+        float st[kVec];
+        DstateRow<kVec, kUnit, const PoolT>{in, stride}.load_tail(full, rest, st);
         for (int64_t k = 0; k < count; ++k) {
           float* a = acc + k * kVec;
           for (int v = 0; v < rest; ++v) {
             const int64_t n = full * kVec + v;
             const float dA = kAPerN ? decay(Af[n], dtv[k]) : dA_splat[k];
             st[v] = advance(st[v], dA, dtx[k], Bf[k * N + n]);
-            a[v] += st[v] * Cf[k * N + n];
+            a[v] = accumulate_y(a[v], st[v], Cf[k * N + n]);
           }
-          if (slot_addressable(dst[k], s.S, s.pad_slot_id)) {
-            const DstateRow<kVec, kUnit, PoolT> out{pool + s.pool_offset(dst[k], h, p), s.pool_stride[3]};
-            out.store_tail(full, rest, st);
-          }
+          if (slot_addressable(dst[k], s.S, s.pad_slot_id))
+            DstateRow<kVec, kUnit, PoolT>{pool + s.pool_offset(dst[k], h, p), stride}.store_tail(full, rest, st);
         }
       }
       for (int64_t k = 0; k < count; ++k) {
@@ -197,16 +195,31 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
   }
 }
 
-SSD_CPU_CLONES void multi_rows(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
-                                 int64_t begin, int64_t end) {
-  with_dtype(m.step.pool_dtype, [&](auto tag) SSD_CPU_INLINE_LAMBDA {
-    using PoolT = decltype(tag);
-    with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
-      with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
-        multi_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(m, plan, begin, end);
-      });
+template <typename PoolT>
+SSD_CPU_INLINE void multi_rows_of(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
+                                  int64_t begin, int64_t end) {
+  with_flag(unit, [&](auto kUnit) SSD_CPU_INLINE_LAMBDA {
+    with_flag(a_per_n, [&](auto kAPerN) SSD_CPU_INLINE_LAMBDA {
+      multi_range<PoolT, decltype(kUnit)::value, decltype(kAPerN)::value>(m, plan, begin, end);
     });
   });
+}
+
+SSD_CPU_CLONES void multi_rows_float(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
+                                     int64_t begin, int64_t end) {
+  multi_rows_of<float>(m, plan, unit, a_per_n, begin, end);
+}
+
+// Half-precision pools get the AVX-512 clone too, as in the single-token kernel.
+SSD_CPU_CLONES_AVX512 void multi_rows_half(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n,
+                                           int64_t begin, int64_t end) {
+  if (m.step.pool_dtype == Dtype::kBFloat16) multi_rows_of<c10::BFloat16>(m, plan, unit, a_per_n, begin, end);
+  else multi_rows_of<c10::Half>(m, plan, unit, a_per_n, begin, end);
+}
+
+void multi_rows(const MultiStepParams& m, const Plan& plan, bool unit, bool a_per_n, int64_t begin, int64_t end) {
+  if (m.step.pool_dtype == Dtype::kFloat32) multi_rows_float(m, plan, unit, a_per_n, begin, end);
+  else multi_rows_half(m, plan, unit, a_per_n, begin, end);
 }
 
 void run_multi(const MultiStepParams& m, bool unit, bool a_per_n) {
