@@ -538,8 +538,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 
   // kWidened: token k's B row, then its C row, in float32 in buffer k % 2. A token's
   // raw B and C are cut into pieces of kPieceBytes; lane l loads pieces l and l + 32
-  // (those that exist; B's pieces first, then C's), a token ahead, and widens them
-  // into floats piece * kPieceElems on of the buffer.
+  // (those that exist; B's pieces first, then C's), a token ahead, and widens piece
+  // i into the buffer's floats from i * kPieceElems on.
   float* const wide = reinterpret_cast<float*>(lean_smem);
   float* const wide_lane = wide + lane * kPieceElems;
   const int wide_pieces = 2 << L.row_pieces_log2;
