@@ -227,6 +227,16 @@ SSD_CPU_INLINE HostF32x8 advance_lanes(HostF32x8 state, HostF32x8 dA, HostF32x8 
 // adds its terms in the same form).
 SSD_CPU_INLINE HostF32x8 accumulate_lanes(HostF32x8 acc, HostF32x8 state, HostF32x8 c) { return acc + state * c; }
 
+// One token on one chunk (in a pool type's lane order): the state advances and y's
+// partial sums take state * C -- the step of every CPU kernel.
+SSD_CPU_INLINE void advance_chunk(HostChunk& st, HostChunk& acc, const HostChunk& dA, HostF32x8 dtx,
+                                  const HostChunk& b, const HostChunk& c) {
+  st.lo = advance_lanes(st.lo, dA.lo, dtx, b.lo);
+  st.hi = advance_lanes(st.hi, dA.hi, dtx, b.hi);
+  acc.lo = accumulate_lanes(acc.lo, st.lo, c.lo);
+  acc.hi = accumulate_lanes(acc.hi, st.hi, c.hi);
+}
+
 // reduce_lanes' tree on partial sums held in a chunk in Order's lane order,
 // without leaving the registers: the same additions of the same values.
 template <typename Order>

@@ -42,10 +42,7 @@ SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, i
       for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv);
       dA = load_ordered_chunk(d);
     }
-    st.lo = advance_lanes(st.lo, dA.lo, dtx8, b.lo);
-    st.hi = advance_lanes(st.hi, dA.hi, dtx8, b.hi);
-    acc.lo = accumulate_lanes(acc.lo, st.lo, cc.lo);
-    acc.hi = accumulate_lanes(acc.hi, st.hi, cc.hi);
+    advance_chunk(st, acc, dA, dtx8, b, cc);
     if constexpr (kWrite) store_chunk<kUnit>(out + c * step, stride, st);
   }
   if (!rest) return reduce_chunk<PoolT>(acc);

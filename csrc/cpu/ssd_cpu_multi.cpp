@@ -66,19 +66,14 @@ Plan make_plan(const MultiStepParams& m) {
   return plan;
 }
 
-// One token on one chunk in PoolT's lane order (dstate_io.h: the even and odd
-// elements of a 16-bit chunk in separate registers, so widening and rounding are
-// whole-register operations): st advances and adds st * C into the token's partial
-// sums at acc (floats in the same order; copied in and out, since scratch memory
-// is not vector-aligned) -- the single-token kernel's step_channel arithmetic.
-SSD_CPU_INLINE void advance_chunk(HostChunk& st, float* acc, const HostChunk& dA, const float* b, const float* c,
-                                  HostF32x8 dtx) {
-  const HostChunk bb = load_ordered_chunk(b), cc = load_ordered_chunk(c);
+// advance_chunk (cpu_common.h) on a chunk in PoolT's lane order (dstate_io.h: the even
+// and odd elements of a 16-bit chunk in separate registers, so widening and rounding
+// are whole-register operations), with the token's partial sums at acc: floats in the
+// same order, copied in and out, since scratch memory is not vector-aligned.
+SSD_CPU_INLINE void advance_token_chunk(HostChunk& st, float* acc, const HostChunk& dA, const float* b,
+                                        const float* c, HostF32x8 dtx) {
   HostChunk a = load_ordered_chunk(acc);
-  st.lo = advance_lanes(st.lo, dA.lo, dtx, bb.lo);
-  st.hi = advance_lanes(st.hi, dA.hi, dtx, bb.hi);
-  a.lo = accumulate_lanes(a.lo, st.lo, cc.lo);
-  a.hi = accumulate_lanes(a.hi, st.hi, cc.hi);
+  advance_chunk(st, a, dA, dtx, load_ordered_chunk(b), load_ordered_chunk(c));
   __builtin_memcpy(acc, &a.lo, sizeof a.lo);
   __builtin_memcpy(acc + 8, &a.hi, sizeof a.hi);
 }
@@ -165,7 +160,7 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
           } else {
             dA = HostChunk{host_splat(dA_splat[k]), host_splat(dA_splat[k])};
           }
-          advance_chunk(st, acc + k * kVec, dA, Bf + k * N + c * kVec, Cf + k * N + c * kVec, host_splat(dtx[k]));
+          advance_token_chunk(st, acc + k * kVec, dA, Bf + k * N + c * kVec, Cf + k * N + c * kVec, host_splat(dtx[k]));
           if (slot_addressable(dst[k], s.S, s.pad_slot_id))
             store_chunk<kUnit>(pool + s.pool_offset(dst[k], h, p) + c * step, stride, st);
         }

@@ -423,6 +423,12 @@ enum class BcPath {
                // warp into a float32 buffer (two buffers); every lane reads its chunks as floats
 };
 
+// Rows per thread (the same chunks of each) of the lean kernel on each path, and the
+// resident warps per multiprocessor the host tiles for (kWidened's launch bounds ask
+// for exactly that; the others' are below).
+constexpr int lean_rows(BcPath path) { return path == BcPath::kWidened ? 2 : 1; }
+constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ? 12 : 16; }
+
 // Launch bounds: kWidened (two rows: 64 state floats) 12 warps per multiprocessor, 168
 // registers, no spill at sm_90. The others (one row): 16 warps (128 registers) where the
 // inputs are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take more
@@ -430,13 +436,13 @@ enum class BcPath {
 // (BENCHMARKS.md, 2026-12-01).
 template <typename PoolT, typename InT, int KB, BcPath kBc>
 __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
-                                  kBc == BcPath::kWidened ? 12 : (sizeof(InT) == 2 ? 2 : 1))
+                                  kBc == BcPath::kWidened ? lean_warps_per_sm(kBc) : (sizeof(InT) == 2 ? 2 : 1))
     multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
   constexpr int VEC = vec_of<PoolT>();
   constexpr bool kStaged = kBc == BcPath::kStaged;
   constexpr bool kWidened = kBc == BcPath::kWidened;
   constexpr bool kRegisters = kBc == BcPath::kRegisters;
-  constexpr int kRows = kWidened ? 2 : 1;  // rows per thread (the same chunks of each)
+  constexpr int kRows = lean_rows(kBc);
   const StepParams& s = m.step;
   const RowMap& map = L.map;
   const uint32_t h = blockIdx.x, t = blockIdx.y;
@@ -576,10 +582,11 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   };
 
   const int rpw = 1 << rpw_log2;
-  // Row r of a thread (and of its pairs) lies r * rpw rows after its row 0.
+  // Row r of a thread (and of its pairs) lies r * rpw rows after its row 0; for an
+  // operand whose channels lie channel_stride apart, a missing row takes row 0's.
   const int64_t pool_half = rpw * s.pool_stride[2];
-  auto half_in = [&](const InT* own0, const OperandRef& o, int r, bool row_valid) {
-    return r == 0 || !row_valid ? own0 : own0 + r * rpw * o.stride[2];  // a missing row reads row 0's
+  auto half_at = [&](auto* own0, int64_t channel_stride, int r, bool row_valid) {
+    return r == 0 || !row_valid ? own0 : own0 + r * rpw * channel_stride;
   };
 
 #pragma unroll 1
@@ -597,7 +604,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       own_valid[r] = p_own_any + r * rpw < s.P;
     }
     InT* const y_own = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_own * s.y_stride[2]);
-    auto y_half = [&](int r) { return r == 0 || !own_valid[r] ? y_own : y_own + r * rpw * s.y_stride[2]; };
+    auto y_half = [&](int r) { return half_at(y_own, s.y_stride[2], r, own_valid[r]); };
     if (pad_row) {  // y = 0, the pool untouched
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -649,9 +656,9 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       const int64_t kr = k < count ? k : count - 1;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        nx[r] = widen(half_in(x_own, s.x, r, own_valid[r])[kr * m.x_tok]);
-        ndt[r] = widen(half_in(dt_own, s.dt, r, own_valid[r])[kr * m.dt_tok]);
-        nz[r] = z_own ? widen(half_in(z_own, s.z, r, own_valid[r])[kr * m.z_tok]) : 0.0f;
+        nx[r] = widen(half_at(x_own, s.x.stride[2], r, own_valid[r])[kr * m.x_tok]);
+        ndt[r] = widen(half_at(dt_own, s.dt.stride[2], r, own_valid[r])[kr * m.dt_tok]);
+        nz[r] = z_own ? widen(half_at(z_own, s.z.stride[2], r, own_valid[r])[kr * m.z_tok]) : 0.0f;
       }
     };
 #pragma unroll
@@ -858,21 +865,20 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   LeanMultiLaunch L;
   L.map = map;
   L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
-  // B / C staging: stages of up to kWindow tokens, one buffer at most kStageBytes.
   const int64_t token_bytes = 2 * d.N * static_cast<int64_t>(sizeof(InT));
-  while ((int64_t{2} << L.stage_log2) <= kWindow && (token_bytes << (L.stage_log2 + 1)) <= kStageBytes) ++L.stage_log2;
   const int64_t piece_bytes = std::min<int64_t>(16, vec_of<PoolT>() * static_cast<int64_t>(sizeof(InT)));
   while ((piece_bytes << (L.row_pieces_log2 + 1)) <= d.N * static_cast<int64_t>(sizeof(InT))) ++L.row_pieces_log2;
   const BcPath path = pick_bc_path(tokens, d.T, int64_t{2} << L.row_pieces_log2);
-  const int rows = path == BcPath::kWidened ? 2 : 1;  // the kernel's kRows
-  L.rows_per_pass = rows * map.rows_per_warp();
+  L.rows_per_pass = lean_rows(path) * map.rows_per_warp();
   const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
   L.tiles = static_cast<int>(tiles);
-  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles, rows == 1 ? 16 : 12);
+  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles, lean_warps_per_sm(path));
   const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows),
                   static_cast<unsigned>((tiles + per - 1) / per));
   switch (path) {
-    case BcPath::kStaged: {
+    case BcPath::kStaged: {  // stages of up to kWindow tokens, one buffer at most kStageBytes
+      while ((int64_t{2} << L.stage_log2) <= kWindow && (token_bytes << (L.stage_log2 + 1)) <= kStageBytes)
+        ++L.stage_log2;
       const size_t smem = static_cast<size_t>(2 * token_bytes) << L.stage_log2;
       launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kStaged>, grid, dim3(kWarp), smem, stream,
                     use_pdl(), m, L);
