@@ -13,9 +13,13 @@ A config names the kernel and its knobs, joined by '-':
     cC         C chunks of 16 bytes per lane and row (TORCH_SSD_CUDA_CHUNKS; changes the
                mapping along N and so the bits: expect "DIFFERS" against other mappings)
   lean         the lean kernel where it applies (the default; TORCH_SSD_CUDA_KERNEL unset)
-    rR         rows per thread, 1 or 2 (TORCH_SSD_CUDA_LEAN_ROWS)
+    rR         rows per thread, 1, 2 or 4 (4: streamed, one row in flight ahead of the one
+               computed) (TORCH_SSD_CUDA_LEAN_ROWS)
     wW         warps per block (TORCH_SSD_CUDA_WARPS)
     pP         programmatic dependent launch on (1) / off (0) (TORCH_SSD_CUDA_PDL)
+    fF         warm L2 with the state rows before waiting on the previous kernel: 0 off,
+               1 on (default: on where the whole grid is resident at once)
+               (TORCH_SSD_CUDA_PREFETCH)
     cC         as for block
   pipe         the pipelined kernel (TORCH_SSD_CUDA_KERNEL=pipe)
     wW         warps per block (TORCH_SSD_CUDA_PIPE_WARPS)
@@ -49,7 +53,7 @@ from torch_ssd import bench
 
 KNOBS = ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PIPE_WARPS",
          "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES", "TORCH_SSD_CUDA_CHUNKS", "TORCH_SSD_CUDA_LEAN_ROWS",
-         "TORCH_SSD_CUDA_PDL")
+         "TORCH_SSD_CUDA_PDL", "TORCH_SSD_CUDA_PREFETCH")
 
 
 def parse_config(text: str) -> dict[str, str]:
@@ -61,6 +65,7 @@ def parse_config(text: str) -> dict[str, str]:
     names = {("block", "c"): "TORCH_SSD_CUDA_CHUNKS", ("pipe", "c"): "TORCH_SSD_CUDA_CHUNKS",
              ("lean", "c"): "TORCH_SSD_CUDA_CHUNKS", ("lean", "r"): "TORCH_SSD_CUDA_LEAN_ROWS",
              ("lean", "w"): "TORCH_SSD_CUDA_WARPS", ("lean", "p"): "TORCH_SSD_CUDA_PDL",
+             ("lean", "f"): "TORCH_SSD_CUDA_PREFETCH",
              ("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
              ("pipe", "w"): "TORCH_SSD_CUDA_PIPE_WARPS", ("pipe", "b"): "TORCH_SSD_CUDA_BPSM",
              ("pipe", "n"): "TORCH_SSD_CUDA_PIPE_STAGES"}

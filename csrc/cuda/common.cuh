@@ -264,6 +264,26 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+// Warming L2 before wait_for_prior_grid: `bytes` (a multiple of 16) from `p`
+// (16-byte aligned) are fetched into L2 by the copy engine of the multiprocessor
+// (sm_90; elsewhere nothing). L2 is where every multiprocessor's reads and writes
+// meet, so a line fetched into it early cannot make a later read stale: whatever
+// the previous kernel writes lands there too. A hint: nothing comes back.
+__device__ __forceinline__ void prefetch_l2_bytes(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// A slot index read before wait_for_prior_grid, for prefetch addresses only: it
+// may predate the previous kernel's writes. Read through L2 only (ld.global.cg),
+// so that no L1 line of it outlives the wait and the real read sees the new value.
+__device__ __forceinline__ int64_t peek_slot(const SlotRef& r, int64_t t) {
+  if (r.data == nullptr) return t;
+  return r.is_int64 ? static_cast<int64_t>(__ldcg(static_cast<const long long*>(r.data) + t * r.stride))
+                    : static_cast<int64_t>(__ldcg(static_cast<const int*>(r.data) + t * r.stride));
+}
+
 // Chunk c of B and C from their widened float32 rows in shared memory (16-byte
 // aligned), as the per-element loop of every decode-step kernel takes them.
 template <int VEC>

@@ -430,6 +430,7 @@ struct LeanLaunch {
   RowMap map;
   int rows_per_pass = 0;  // rows the block covers at once: warps * rows_per_warp
   uint32_t heads_per_group = 1;
+  bool prefetch = false;  // warm L2 with the state rows before the wait (pick_prefetch)
 };
 
 // x, z and dt of (t, h, p) in the inputs' type InT, the rest as decode_step_kernel
@@ -451,10 +452,23 @@ __device__ __forceinline__ ChannelInputs load_channel_in(const StepParams& s, in
 // per-row scalars (the per-channel loads, softplus, the decay, y) are computed once
 // per row, by lane q of the warp, and shuffled to the row's lanes: one pass of that
 // work serves up to 32 rows instead of each of a row's lanes repeating it.
+// Four rows per thread are streamed (see below); fewer are held at once. Registers:
+// at most 64 where a thread holds up to 32 state elements at once, else 128.
+template <int kRows>
+constexpr bool lean_streams() {
+  return kRows > 2;
+}
+
+template <typename PoolT, int kRows, int KB>
+constexpr int lean_min_blocks() {
+  return !lean_streams<kRows>() && kRows * KB * vec_of<PoolT>() <= 32 ? 4 : 2;
+}
+
 template <typename PoolT, typename InT, int kRows, int KB>
-__global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 32 ? 4 : 2)
+__global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>())
     decode_step_lean(const __grid_constant__ StepParams s, const LeanLaunch L) {
   constexpr int VEC = vec_of<PoolT>();
+  constexpr bool kStream = lean_streams<kRows>();
   // KB: the chunks per lane of the row map (host-checked), a compile-time count.
   const RowMap& m = L.map;
   const uint32_t h = blockIdx.x, t = blockIdx.y;
@@ -472,90 +486,129 @@ __global__ void __launch_bounds__(kMaxThreads, kRows * KB * vec_of<PoolT>() <= 3
     return static_cast<InT*>(s.y) + (t * s.y_stride[0] + h * s.y_stride[1] + p * s.y_stride[2]);
   };
 
-  wait_for_prior_grid();
-  allow_next_grid();
-  const int64_t src = s.src.slot(t, t);
-
-  // What does not depend on the slot is fetched while the slot index is in flight:
-  // this lane's own row's scalars (lanes past the warp's rows repeat some), and
-  // which rows it computes.
+  // Which rows this thread computes, and which row's scalars this lane owns (lanes
+  // past the warp's rows repeat some).
   const int q_own = lane & (warp_rows - 1);
   const int64_t p_own_any = p_of(q_own);
   const bool own_valid = lane < warp_rows && p_own_any < s.P;
   const int64_t p_own = p_own_any < s.P ? p_own_any : 0;  // a readable row for the loads
-  const ChannelInputs in = load_channel_in<InT>(s, t, h, p_own);
-  const float a_own = s.A.at(h, p_own);
-  int64_t p[kRows];
+  // This thread's rows: p_first, then rows_per_pass apart (p_of); row r of slot
+  // `slot` starts r row steps after row p_first (addressed only where it exists).
+  const int64_t p_first = p_of(lane >> m.lanes_log2);
   bool valid[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t pr = p_of((r << rpw_log2) + (lane >> m.lanes_log2));
-    valid[r] = pr < s.P;
-    p[r] = valid[r] ? pr : 0;
+  for (int r = 0; r < kRows; ++r) valid[r] = p_first + static_cast<int64_t>(r) * L.rows_per_pass < s.P;
+  const int64_t row_step = static_cast<int64_t>(L.rows_per_pass) * s.pool_stride[2];
+  PoolT* pool = static_cast<PoolT*>(s.pool);
+  const InT* b_row = static_cast<const InT*>(s.B.data) + t * s.B.stride[0] + g * s.B.stride[1];
+  const InT* c_row = static_cast<const InT*>(s.C.data) + t * s.C.stride[0] + g * s.C.stride[1];
+
+  // While the previous kernel finishes, the rows of the pool this warp will read
+  // are fetched into L2 from the slot index as it reads now (one bulk prefetch per
+  // row, by the row's owner lane); after the wait the real loads find them there.
+  // At T = 1 a step is one chain of dependent latencies (slot index, state rows, the
+  // previous step's end); this takes the state's DRAM latency out of it. Only when
+  // the whole grid is resident at once (L.prefetch): in a larger grid most blocks
+  // start after the previous kernel has ended, and the prefetches only add requests
+  // (measured 1-5 points of copy bandwidth lost at T = 16 and 64 on an H200).
+  // (Prefetching the inputs' lines as well measured level: +-0.3 us at T = 1.)
+  if (L.prefetch) {
+    const int64_t guess = peek_slot(s.src, t);
+    if (own_valid && slot_addressable(guess, s.S, s.pad_slot_id))
+      prefetch_l2_bytes(pool + s.pool_offset(guess, h, p_own), static_cast<uint32_t>(s.N * sizeof(PoolT)));
   }
+
+  wait_for_prior_grid();
+  allow_next_grid();
+  const int64_t src = s.src.slot(t, t);
+
+  // What does not depend on the slot is fetched while the slot index is in flight.
+  const ChannelInputs in = load_channel_in<InT>(s, t, h, p_own);
+  const float a_own = s.A.at(h, p_own);
   if (!slot_addressable(src, s.S, s.pad_slot_id)) {  // pad row: y = 0, the pool untouched
     if (own_valid) *y_at(p_own) = narrow<InT>(0.0f);
     return;  // the whole block leaves (src is the block's): no shuffle is left waiting
   }
-  PoolT* pool = static_cast<PoolT*>(s.pool);
-  uint4 st[kRows][KB];  // the state chunks as stored: widened one at a time, when used
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const PoolT* row = pool + s.pool_offset(src, h, p[r]);
+  // This lane's first chunk of row p_first in the source slot.
+  const PoolT* src_row0 = pool + s.pool_offset(src, h, p_first) + li * VEC;
+  auto load_row = [&](int r, uint4 (&st)[KB]) {
+    const PoolT* row = src_row0 + r * row_step;
 #pragma unroll
     for (int j = 0; j < KB; ++j)
-      if (valid[r]) st[r][j] = load_chunk_raw(row + (j * m.lanes + li) * VEC);
-  }
+      if (valid[r]) st[j] = load_chunk_raw(row + j * m.lanes * VEC);
+  };
+  uint4 st[kStream ? 2 : kRows][KB];  // state chunks as stored: widened one at a time, when used
+  // kStream: one row in flight ahead of the one computed (then stored); else every
+  // row loaded up front.
+#pragma unroll
+  for (int r = 0; r < (kStream ? 1 : kRows); ++r) load_row(r, st[r]);
 
-  // The whole row is computed before anything is stored, so that the compiler may
-  // hoist every B / C load above the arithmetic (a store in between could alias them).
-  const InT* b_row = static_cast<const InT*>(s.B.data) + t * s.B.stride[0] + g * s.B.stride[1];
-  const InT* c_row = static_cast<const InT*>(s.C.data) + t * s.C.stride[0] + g * s.C.stride[1];
+  const int64_t dst = s.dst.slot(t, t);
+  // Every lane of the warp takes part in the vote, whether or not its rows exist.
+  const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
+  PoolT* dst_row0 = pool + s.pool_offset(dst, h, p_first) + li * VEC;
   const float dtv_own = channel_dt(s, in);
   const float dtx_own = dtv_own * in.x;
   const float dA_own = decay(a_own, dtv_own);
-  float dA[kRows], dtx[kRows], acc[kRows];
+  float dA[kRows], dtx[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int owner = (r << rpw_log2) + (lane >> m.lanes_log2);
     dA[r] = __shfl_sync(kFullMask, dA_own, owner);
     dtx[r] = __shfl_sync(kFullMask, dtx_own, owner);
-    acc[r] = 0.0f;
   }
+  // Row r's step on its chunks; returns this lane's part of the row's y sum.
+  auto advance_row = [&](int r, uint4 (&chunks)[KB]) {
+    float acc = 0.0f;
 #pragma unroll
-  for (int j = 0; j < KB; ++j) {
-    const int c = j * m.lanes + li;
-    float b[VEC], cc[VEC];
-    load_unit_shared<VEC>(b_row + c * VEC, b);
-    load_unit_shared<VEC>(c_row + c * VEC, cc);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float x[VEC];
-      widen_chunk<VEC, PoolT>(st[r][j], x);
+    for (int j = 0; j < KB; ++j) {
+      const int c = j * m.lanes + li;
+      float b[VEC], cc[VEC], x[VEC];
+      load_unit_shared<VEC>(b_row + c * VEC, b);
+      load_unit_shared<VEC>(c_row + c * VEC, cc);
+      widen_chunk<VEC, PoolT>(chunks[j], x);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
         x[v] = advance(x[v], dA[r], dtx[r], b[v]);
-        acc[r] = accumulate_y(acc[r], x[v], cc[v]);
+        acc = accumulate_y(acc, x[v], cc[v]);
       }
-      st[r][j] = narrow_chunk<VEC, PoolT>(x);
+      chunks[j] = narrow_chunk<VEC, PoolT>(x);
     }
-  }
-
-  const int64_t dst = s.dst.slot(t, t);
-  // Every lane of the warp takes part in the vote, whether or not its rows exist.
-  const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
+    return acc;
+  };
+  auto store_row = [&](int r, const uint4 (&chunks)[KB]) {
+    if (!(valid[r] && last)) return;
+    PoolT* row = dst_row0 + r * row_step;
+#pragma unroll
+    for (int j = 0; j < KB; ++j) store_chunk_raw(row + j * m.lanes * VEC, chunks[j]);
+  };
   float own_sum = 0.0f;  // the y sum of row q_own, from the lanes that computed it
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (valid[r] && last) {
-      PoolT* row = pool + s.pool_offset(dst, h, p[r]);
-#pragma unroll
-      for (int j = 0; j < KB; ++j)
-        store_chunk_raw(row + (j * m.lanes + li) * VEC, st[r][j]);
-    }
-    const float sum = row_sum(acc[r], m.lanes);
+  auto collect = [&](int r, float acc) {
+    const float sum = row_sum(acc, m.lanes);
     const float got = __shfl_sync(kFullMask, sum, (q_own & ((1 << rpw_log2) - 1)) << m.lanes_log2);
     if ((q_own >> rpw_log2) == r) own_sum = got;
+  };
+  if constexpr (kStream) {
+    // Row r + 1's loads are issued before row r is computed and stored; a store
+    // may alias a later row, so the compiler keeps this order: two rows live.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r + 1 < kRows) load_row(r + 1, st[(r + 1) & 1]);
+      const float acc = advance_row(r, st[r & 1]);
+      store_row(r, st[r & 1]);
+      collect(r, acc);
+    }
+  } else {
+    // Every row is computed before anything is stored, so that the compiler may
+    // hoist every B / C load above the arithmetic (a store in between could alias them).
+    float acc[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r] = advance_row(r, st[r]);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      store_row(r, st[r]);
+      collect(r, acc[r]);
+    }
   }
   if (own_valid) *y_at(p_own) = narrow<InT>(finish_y(s, own_sum, in));
 }
@@ -677,17 +730,23 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
 }
 
 // Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1, 2 or 4 forces it
-// (4: 16-bit pools only; fewer where a warp's rows would outnumber its lanes). By
-// default 2 for float32 pools where the step has enough tiles to spread over every
-// multiprocessor, else 1 (measured on an H200, BENCHMARKS.md "2026-11-30, lean
-// kernel": with float32 pools 2 rows gained 4-7 points of copy bandwidth at
-// T = 256, -1.5 to +3.5 at T <= 64; with 16-bit pools 2 rows were 2-4 points behind
-// at T = 64 and 0.5-5 ahead at T = 16 and 256, 4 rows 4-16 behind everywhere).
+// (fewer where a warp's rows would outnumber its lanes, 2 at most with 8 chunks per
+// lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md):
+//   16-bit pools, from the rows per multiprocessor ("2026-12-01, third session"): 2
+//   up to ~1200 (T <= 16 for the benchmark shapes: 3-4 points of copy bandwidth above
+//   1, and 0.2 us less per step at T = 1), 1 up to ~6000 (T = 64, where 2 and 4 were
+//   behind), 4 beyond (T = 256: 6-8 points above 1);
+//   float32 pools 2 where the step has enough tiles to spread over every
+//   multiprocessor, else 1 ("2026-11-30, lean kernel": 2 rows gained 4-7 points at
+//   T = 256, -1.5 to +3.5 at T <= 64; 4 streamed measured level with 2).
 int pick_lean_rows(const Dims& d, const RowMap& m, int W, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ROWS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced == 1 || forced == 2 || forced == 4) return forced;
-  if (elem_size != 4) return 1;
+  if (elem_size != 4) {
+    const int64_t rows_per_sm = d.T * d.H * d.P / num_sms();
+    return rows_per_sm > 6000 ? 4 : rows_per_sm > 1200 ? 1 : 2;
+  }
   const int64_t pass = static_cast<int64_t>(W) * m.rows_per_warp();
   const int64_t tiles2 = (d.P + 2 * pass - 1) / (2 * pass);
   return d.T * d.H * tiles2 >= 4 * static_cast<int64_t>(num_sms()) ? 2 : 1;
@@ -704,15 +763,32 @@ int pick_lean_warps() {
   return 1;
 }
 
+// Whether the lean kernel warms L2 with its state rows before waiting on the
+// previous kernel: with programmatic dependent launch (without it there is no wait
+// to overlap), where its whole grid is resident at once (T = 1 and the like).
+// TORCH_SSD_CUDA_PREFETCH=0 / =1 forces it off / on. `per_sm`: the kernel's
+// resident blocks per multiprocessor.
+bool pick_prefetch(int64_t blocks, int per_sm) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_PREFETCH");
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return use_pdl() && blocks <= static_cast<int64_t>(per_sm) * num_sms();
+}
+
 template <typename PoolT, typename InT, int kRows, int KB>
 void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
+  auto kernel = decode_step_lean<PoolT, InT, kRows, KB>;
+  // Resident blocks per multiprocessor: an occupancy query (safe under graph
+  // capture), once per kernel and block size.
+  static int per_sm[kMaxThreads / kWarp + 1] = {};
+  if (per_sm[W] == 0) C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[W], kernel, W * kWarp, 0));
   LeanLaunch L;
   L.map = map;
   L.rows_per_pass = W * map.rows_per_warp();
   L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
   const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
+  L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
   const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(d.T), static_cast<unsigned>(tiles));
-  launch_kernel(decode_step_lean<PoolT, InT, kRows, KB>, grid, dim3(W * kWarp), 0, stream, use_pdl(), s, L);
+  launch_kernel(kernel, grid, dim3(W * kWarp), 0, stream, use_pdl(), s, L);
 }
 
 void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
@@ -743,9 +819,8 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
           if (rows >= 2) launch_lean<PoolT, InT, 2, 8>(d, s, map, W, stream);
           else launch_lean<PoolT, InT, 1, 8>(d, s, map, W, stream);
         } else {
-          // Four rows per thread only for 16-bit pools (whose rows are half the bytes).
-          if (rows == 4 && sizeof(PoolT) == 2) launch_lean<PoolT, InT, (sizeof(PoolT) == 2 ? 4 : 2), 4>(d, s, map, W, stream);
-          else if (rows >= 2) launch_lean<PoolT, InT, 2, 4>(d, s, map, W, stream);
+          if (rows == 4) launch_lean<PoolT, InT, 4, 4>(d, s, map, W, stream);
+          else if (rows == 2) launch_lean<PoolT, InT, 2, 4>(d, s, map, W, stream);
           else launch_lean<PoolT, InT, 1, 4>(d, s, map, W, stream);
         }
       });
