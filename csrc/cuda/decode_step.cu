@@ -413,15 +413,17 @@ __global__ void __launch_bounds__(kMaxThreads)
 //     barrier, so a block may be a single warp and start its row loads as soon as
 //     the slot index is in;
 //   * the state is held as loaded (raw 16-bit chunks take half the registers of
-//     widened ones) and every row is computed before anything is stored (no store
-//     between the loads lets the compiler hoist them all);
+//     widened ones); with one or two rows per thread every row is computed before
+//     anything is stored (no store between the loads lets the compiler hoist them
+//     all), four are streamed (the next row's loads in flight while one is computed);
 //   * the grid is (head, row t, tile along P): no index division;
-//   * a thread may own kRows rows of the tile (rows_per_pass apart): kRows times
-//     the bytes in flight per thread, each B / C chunk serving kRows rows;
+//   * a thread may own kRows rows of the tile (rows_per_pass apart): more bytes in
+//     flight per thread, and the per-row scalar pass serving more rows;
 //   * the per-row scalars are computed by one lane per row and shuffled to the
 //     row's lanes (see the kernel), and y is stored by those lanes, coalesced;
 //   * programmatic dependent launch on sm_90: back-to-back steps overlap their
-//     launch gaps.
+//     launch gaps; where the whole grid is resident at once, the state rows are
+//     fetched into L2 before the wait (see the kernel).
 // Mapping along N, per-element arithmetic and reduction order are
 // decode_step_kernel's: the same bits (tests/test_cuda.py checks every choice).
 // ---------------------------------------------------------------------------
