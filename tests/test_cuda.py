@@ -94,6 +94,53 @@ def test_graph_replay_of_multi_step_loop_equals_eager(pool_dtype, shape):
     assert not torch.equal(outs, torch.full_like(outs, 7.0))
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_slot_index_written_by_the_kernel_before_is_the_one_used(pool_dtype, monkeypatch):
+    """With programmatic dependent launch the lean kernel may start while the kernel
+    before it still runs, and at T = 1 it reads the slot index early to fetch the state
+    rows into L2. In a graph where an elementwise kernel moves the slot index on right
+    before each step, every step must read and write the slot written for it: the
+    result equals eager steps with the prefetch and the overlap turned off."""
+    T, H, P, N, G, S, steps = 1, 8, 64, 128, 1, 5, 6
+    inputs = make_inputs(S, T, H, P, N, G, device="cuda", pool_dtype=pool_dtype, dtype=torch.bfloat16,
+                         per_head=True, seed=9)
+    inputs = apply_layout(inputs, "broadcast")
+    inputs["slot_idx"].fill_(0)
+    eager = clone_inputs(inputs)
+    outs = torch.full((steps, T, H, P), 7.0, dtype=inputs["x"].dtype, device="cuda")
+    eager_outs = outs.clone()
+
+    def loop(args, ys):
+        for k in range(steps):
+            args["slot_idx"].add_(2).remainder_(S)  # a kernel writes the slot the step reads
+            torch.ops.ssd.decode_step_out(*step_args(args), ys[k])
+
+    monkeypatch.setenv("TORCH_SSD_CUDA_PREFETCH", "1")
+    monkeypatch.delenv("TORCH_SSD_CUDA_PDL", raising=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    warm = clone_inputs(inputs)
+    with torch.cuda.stream(side):
+        loop(warm, outs.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loop(inputs, outs)
+    graph.replay()
+
+    monkeypatch.setenv("TORCH_SSD_CUDA_PREFETCH", "0")
+    monkeypatch.setenv("TORCH_SSD_CUDA_PDL", "0")
+    for k in range(steps):
+        eager["slot_idx"].add_(2).remainder_(S)
+        torch.cuda.synchronize()
+        torch.ops.ssd.decode_step_out(*step_args(eager), eager_outs[k])
+    torch.cuda.synchronize()
+    assert torch.equal(inputs["slot_idx"], eager["slot_idx"])
+    assert torch.equal(outs, eager_outs), "y differs from the eager steps"
+    assert torch.equal(inputs["ssm_pool"], eager["ssm_pool"]), "pool differs from the eager steps"
+    assert not torch.equal(outs, torch.full_like(outs, 7.0))
+
+
 def test_graph_capture_of_allocating_decode_step():
     """decode_step (which allocates y) captures too: y comes from the graph's pool."""
     inputs = _step_inputs(3, 4, 16, 32, 2, torch.float32)
