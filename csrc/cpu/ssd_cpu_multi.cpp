@@ -82,18 +82,24 @@ SSD_CPU_INLINE void advance_token_chunk(HostChunk& st, float* acc, const HostChu
 template <typename PoolT, bool kUnit, bool kAPerN>
 SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int64_t begin, int64_t end) {
   const StepParams& s = m.step;
-  const int64_t N = s.N, full = N / kVec, Kmax = plan.max_tokens;
+  const int64_t N = s.N, P = s.P, full = N / kVec, Kmax = plan.max_tokens;
   const int rest = static_cast<int>(N - full * kVec);
-  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + Kmax * (kVec + 3));
+  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + Kmax * kVec + (5 * Kmax + 1) * P);
   float* Bf = scratch.data();      // (Kmax, N), whole chunks in PoolT's lane order
   float* Cf = Bf + Kmax * N;       // (Kmax, N), likewise
   float* acc = Cf + Kmax * N;      // (Kmax, kVec): y's partial sums, PoolT's lane order, then natural
-  float* dtx = acc + Kmax * kVec;  // (Kmax,)
-  float* dA_splat = dtx + Kmax;    // (Kmax,)
-  float* xv = dA_splat + Kmax;     // (Kmax,)
-  float* Af = xv + Kmax;           // (N,) when kAPerN, in PoolT's lane order
+  // Per token k and channel p of the head (k * P + p), as the single-token kernel
+  // keeps them: x, dt (+ dt_bias, softplus), dt * x, exp(A * dt) when A is constant
+  // along N, y's sum over N and then y; then P floats of finish_y_row's scratch.
+  float* xs = acc + Kmax * kVec;
+  float* dtv = xs + Kmax * P;
+  float* dtx = dtv + Kmax * P;
+  float* dA = dtx + Kmax * P;
+  float* ys = dA + Kmax * P;
+  float* tmp = ys + Kmax * P;
+  float* Af = tmp + P;  // (N,) when kAPerN, in PoolT's lane order
   std::vector<StepParams> views(Kmax);
-  std::vector<float> dtv(Kmax);
+  std::vector<PoolT*> out(Kmax);  // per token: channel p's destination row, or nullptr
   for (int64_t k = 0; k < Kmax; ++k) views[k] = token_view(m, k);
   PoolT* pool = static_cast<PoolT*>(s.pool);
   int64_t widened_tg = -1;
@@ -109,10 +115,11 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
       for (int64_t k = 0; k < count; ++k) {
         const StepParams& v = views[k];
         const int64_t y_row = first * v.y_stride[0] + h * v.y_stride[1];
-        for (int64_t p = 0; p < s.P; ++p) store_scalar(v.y, y_row + p * v.y_stride[2], v.y_dtype, 0.0f);
+        for (int64_t p = 0; p < P; ++p) store_scalar(v.y, y_row + p * v.y_stride[2], v.y_dtype, 0.0f);
       }
       continue;
     }
+    if (P == 0) continue;
     const int64_t* dst = plan.dst.data() + t * Kmax;
     // The next pair's source rows, requested a row at a time alongside this pair's.
     const PoolT* next_in = next_pair_rows<kUnit>(s, pool, th, end, [&](int64_t row) {
@@ -127,22 +134,31 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
       widened_tg = t * s.G + g;
     }
 
-    for (int64_t p = 0; p < s.P; ++p) {
-      if (next_in != nullptr) prefetch_row(next_in + p * s.pool_stride[2], N);
-      // Per-token channel scalars. Per-head dt / dt_bias / A (stride 0 over P) give
-      // the same value for every p: evaluate softplus and exp once per head.
-      // N == 0: A is empty and nothing decays; never read it.
-      const float a_splat =
-          kAPerN || N == 0 ? 0.0f : load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
-      for (int64_t k = 0; k < count; ++k) {
-        const StepParams& v = views[k];
-        if (p == 0 || !dt_per_head) dtv[k] = channel_dt(v, first, h, p);
-        xv[k] = v.x.at(first, h, p);
-        dtx[k] = dtv[k] * xv[k];
-        if (!kAPerN && (p == 0 || !dA_per_head)) dA_splat[k] = decay(a_splat, dtv[k]);
+    // The per-token channel scalars of the head, a row of P at a time, as the
+    // single-token kernel computes them: per-head dt / dt_bias / A (stride 0 over P)
+    // give one softplus and one exp per head. N == 0: A is empty, nothing decays.
+    for (int64_t k = 0; k < count; ++k) {
+      const StepParams& v = views[k];
+      float *x_k = xs + k * P, *dtv_k = dtv + k * P, *dtx_k = dtx + k * P, *dA_k = dA + k * P;
+      widen_row(v.x, first * v.x.stride[0] + h * v.x.stride[1], v.x.stride[2], P, x_k);
+      if (dt_per_head) std::fill(dtv_k, dtv_k + P, channel_dt(v, first, h, 0));
+      else for (int64_t p = 0; p < P; ++p) dtv_k[p] = channel_dt(v, first, h, p);
+      for (int64_t p = 0; p < P; ++p) dtx_k[p] = dtv_k[p] * x_k[p];
+      if (!kAPerN && N > 0) {
+        const auto A = [&](int64_t p) SSD_CPU_INLINE_LAMBDA {
+          return load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
+        };
+        if (dA_per_head) std::fill(dA_k, dA_k + P, decay(A(0), dtv_k[0]));
+        else for (int64_t p = 0; p < P; ++p) dA_k[p] = decay(A(p), dtv_k[p]);
       }
+    }
+
+    for (int64_t p = 0; p < P; ++p) {
+      if (next_in != nullptr) prefetch_row(next_in + p * s.pool_stride[2], N);
       if constexpr (kAPerN) widen_row_ordered<PoolT>(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
       std::fill(acc, acc + count * kVec, 0.0f);
+      for (int64_t k = 0; k < count; ++k)
+        out[k] = slot_addressable(dst[k], s.S, s.pad_slot_id) ? pool + s.pool_offset(dst[k], h, p) : nullptr;
 
       const int64_t stride = s.pool_stride[3], step = kVec * (kUnit ? 1 : stride);
       const PoolT* in = pool + s.pool_offset(row.src, h, p);
@@ -152,17 +168,17 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
         HostChunk st;
         load_chunk<kUnit>(in + c * step, stride, st);
         for (int64_t k = 0; k < count; ++k) {
-          HostChunk dA;
+          HostChunk dA_c;
           if constexpr (kAPerN) {
             float d[kVec];
-            for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv[k]);
-            dA = load_ordered_chunk(d);
+            for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv[k * P + p]);
+            dA_c = load_ordered_chunk(d);
           } else {
-            dA = HostChunk{host_splat(dA_splat[k]), host_splat(dA_splat[k])};
+            dA_c = HostChunk{host_splat(dA[k * P + p]), host_splat(dA[k * P + p])};
           }
-          advance_token_chunk(st, acc + k * kVec, dA, Bf + k * N + c * kVec, Cf + k * N + c * kVec, host_splat(dtx[k]));
-          if (slot_addressable(dst[k], s.S, s.pad_slot_id))
-            store_chunk<kUnit>(pool + s.pool_offset(dst[k], h, p) + c * step, stride, st);
+          advance_token_chunk(st, acc + k * kVec, dA_c, Bf + k * N + c * kVec, Cf + k * N + c * kVec,
+                              host_splat(dtx[k * P + p]));
+          if (out[k] != nullptr) store_chunk<kUnit>(out[k] + c * step, stride, st);
         }
       }
       for (int64_t k = 0; k < count; ++k) chunk_to_lanes<PoolT>(load_ordered_chunk(acc + k * kVec), acc + k * kVec);
@@ -173,19 +189,19 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
           float* a = acc + k * kVec;
           for (int v = 0; v < rest; ++v) {
             const int64_t n = full * kVec + v;
-            const float dA = kAPerN ? decay(Af[n], dtv[k]) : dA_splat[k];
-            st[v] = advance(st[v], dA, dtx[k], Bf[k * N + n]);
+            const float dA_n = kAPerN ? decay(Af[n], dtv[k * P + p]) : dA[k * P + p];
+            st[v] = advance(st[v], dA_n, dtx[k * P + p], Bf[k * N + n]);
             a[v] = accumulate_y(a[v], st[v], Cf[k * N + n]);
           }
-          if (slot_addressable(dst[k], s.S, s.pad_slot_id))
-            DstateRow<kVec, kUnit, PoolT>{pool + s.pool_offset(dst[k], h, p), stride}.store_tail(full, rest, st);
+          if (out[k] != nullptr) DstateRow<kVec, kUnit, PoolT>{out[k], stride}.store_tail(full, rest, st);
         }
       }
-      for (int64_t k = 0; k < count; ++k) {
-        const StepParams& v = views[k];
-        store_scalar(v.y, first * v.y_stride[0] + h * v.y_stride[1] + p * v.y_stride[2], v.y_dtype,
-                     finish_y_cpu(v, reduce_lanes(acc + k * kVec), first, h, p, xv[k]));
-      }
+      for (int64_t k = 0; k < count; ++k) ys[k * P + p] = reduce_lanes(acc + k * kVec);
+    }
+    for (int64_t k = 0; k < count; ++k) {
+      const StepParams& v = views[k];
+      finish_y_row(v, first, h, xs + k * P, tmp, ys + k * P);
+      narrow_row(v.y, v.y_dtype, first * v.y_stride[0] + h * v.y_stride[1], v.y_stride[2], P, ys + k * P);
     }
   }
 }
