@@ -218,6 +218,27 @@ SSD_CPU_INLINE void finish_y_row(const StepParams& s, int64_t t, int64_t h, cons
   }
 }
 
+// The channel scalars of head h of row t, P channels at a time (into P floats
+// each): x, dt (+ dt_bias, softplus), dt * x, and exp(A * dt) when with_dA (A
+// constant along N, and N > 0: an empty A is never read). Per-head dt / dt_bias / A
+// (stride 0 over P) give the same value for every p: softplus and exp are then
+// evaluated once per head, not once per channel.
+SSD_CPU_INLINE void channel_scalars(const StepParams& s, int64_t t, int64_t h, bool with_dA, float* xs, float* dtv,
+                                    float* dtx, float* dA) {
+  const int64_t P = s.P;
+  const bool dt_per_head = s.dt.stride[2] == 0 && (!s.dt_bias.present() || s.dt_bias.stride[1] == 0);
+  widen_row(s.x, t * s.x.stride[0] + h * s.x.stride[1], s.x.stride[2], P, xs);
+  if (dt_per_head) std::fill(dtv, dtv + P, channel_dt(s, t, h, 0));
+  else for (int64_t p = 0; p < P; ++p) dtv[p] = channel_dt(s, t, h, p);
+  for (int64_t p = 0; p < P; ++p) dtx[p] = dtv[p] * xs[p];
+  if (!with_dA) return;
+  const auto A = [&](int64_t p) SSD_CPU_INLINE_LAMBDA {
+    return load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
+  };
+  if (dt_per_head && s.A.stride[1] == 0) std::fill(dA, dA + P, decay(A(0), dtv[0]));
+  else for (int64_t p = 0; p < P; ++p) dA[p] = decay(A(p), dtv[p]);
+}
+
 // step.h's advance(), lane by lane.
 SSD_CPU_INLINE HostF32x8 advance_lanes(HostF32x8 state, HostF32x8 dA, HostF32x8 dtx, HostF32x8 b) {
   return state * dA + dtx * b;

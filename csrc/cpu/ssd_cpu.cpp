@@ -78,8 +78,6 @@ SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64
   float* Af = tmp + P;   // per element A of one channel
   PoolT* pool = static_cast<PoolT*>(s.pool);
   int64_t widened_tg = -1;
-  const bool dt_per_head = s.dt.stride[2] == 0 && (!s.dt_bias.present() || s.dt_bias.stride[1] == 0);
-  const bool dA_per_head = dt_per_head && s.A.stride[1] == 0;
 
   for (int64_t th = begin; th < end; ++th) {
     const int64_t t = th / s.H, h = th % s.H, g = h / s.heads_per_group;
@@ -98,19 +96,7 @@ SSD_CPU_INLINE void step_range(const StepParams& s, const uint8_t* writes, int64
       widened_tg = t * s.G + g;
     }
 
-    // Per-head dt / dt_bias / A (stride 0 over P) give the same value for every p:
-    // evaluate softplus and exp once per head, not once per channel.
-    widen_row(s.x, t * s.x.stride[0] + h * s.x.stride[1], s.x.stride[2], P, xs);
-    if (dt_per_head) std::fill(dtv, dtv + P, channel_dt(s, t, h, 0));
-    else for (int64_t p = 0; p < P; ++p) dtv[p] = channel_dt(s, t, h, p);
-    for (int64_t p = 0; p < P; ++p) dtx[p] = dtv[p] * xs[p];
-    if (!kAPerN && N > 0) {  // N == 0: A is empty, nothing decays
-      const auto A = [&](int64_t p) SSD_CPU_INLINE_LAMBDA {
-        return load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
-      };
-      if (dA_per_head) std::fill(dA, dA + P, decay(A(0), dtv[0]));
-      else for (int64_t p = 0; p < P; ++p) dA[p] = decay(A(p), dtv[p]);
-    }
+    channel_scalars(s, t, h, !kAPerN && N > 0, xs, dtv, dtx, dA);
 
     const int64_t ps = s.pool_stride[2];
     const PoolT* in = pool + s.pool_offset(src, h, 0);

@@ -99,12 +99,10 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
   float* tmp = ys + Kmax * P;
   float* Af = tmp + P;  // (N,) when kAPerN, in PoolT's lane order
   std::vector<StepParams> views(Kmax);
-  std::vector<PoolT*> out(Kmax);  // per token: channel p's destination row, or nullptr
+  std::vector<PoolT*> dst_rows(Kmax);  // per token: channel p's destination row, or nullptr
   for (int64_t k = 0; k < Kmax; ++k) views[k] = token_view(m, k);
   PoolT* pool = static_cast<PoolT*>(s.pool);
   int64_t widened_tg = -1;
-  const bool dt_per_head = s.dt.stride[2] == 0 && (!s.dt_bias.present() || s.dt_bias.stride[1] == 0);
-  const bool dA_per_head = dt_per_head && s.A.stride[1] == 0;
 
   for (int64_t th = begin; th < end; ++th) {
     const int64_t t = th / s.H, h = th % s.H, g = h / s.heads_per_group;
@@ -134,31 +132,16 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
       widened_tg = t * s.G + g;
     }
 
-    // The per-token channel scalars of the head, a row of P at a time, as the
-    // single-token kernel computes them: per-head dt / dt_bias / A (stride 0 over P)
-    // give one softplus and one exp per head. N == 0: A is empty, nothing decays.
-    for (int64_t k = 0; k < count; ++k) {
-      const StepParams& v = views[k];
-      float *x_k = xs + k * P, *dtv_k = dtv + k * P, *dtx_k = dtx + k * P, *dA_k = dA + k * P;
-      widen_row(v.x, first * v.x.stride[0] + h * v.x.stride[1], v.x.stride[2], P, x_k);
-      if (dt_per_head) std::fill(dtv_k, dtv_k + P, channel_dt(v, first, h, 0));
-      else for (int64_t p = 0; p < P; ++p) dtv_k[p] = channel_dt(v, first, h, p);
-      for (int64_t p = 0; p < P; ++p) dtx_k[p] = dtv_k[p] * x_k[p];
-      if (!kAPerN && N > 0) {
-        const auto A = [&](int64_t p) SSD_CPU_INLINE_LAMBDA {
-          return load_scalar(s.A.data, h * s.A.stride[0] + p * s.A.stride[1], s.A.dtype);
-        };
-        if (dA_per_head) std::fill(dA_k, dA_k + P, decay(A(0), dtv_k[0]));
-        else for (int64_t p = 0; p < P; ++p) dA_k[p] = decay(A(p), dtv_k[p]);
-      }
-    }
+    // The per-token channel scalars of the head, as the single-token kernel computes them.
+    for (int64_t k = 0; k < count; ++k)
+      channel_scalars(views[k], first, h, !kAPerN && N > 0, xs + k * P, dtv + k * P, dtx + k * P, dA + k * P);
 
     for (int64_t p = 0; p < P; ++p) {
       if (next_in != nullptr) prefetch_row(next_in + p * s.pool_stride[2], N);
       if constexpr (kAPerN) widen_row_ordered<PoolT>(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
       std::fill(acc, acc + count * kVec, 0.0f);
       for (int64_t k = 0; k < count; ++k)
-        out[k] = slot_addressable(dst[k], s.S, s.pad_slot_id) ? pool + s.pool_offset(dst[k], h, p) : nullptr;
+        dst_rows[k] = slot_addressable(dst[k], s.S, s.pad_slot_id) ? pool + s.pool_offset(dst[k], h, p) : nullptr;
 
       const int64_t stride = s.pool_stride[3], step = kVec * (kUnit ? 1 : stride);
       const PoolT* in = pool + s.pool_offset(row.src, h, p);
@@ -178,7 +161,7 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
           }
           advance_token_chunk(st, acc + k * kVec, dA_c, Bf + k * N + c * kVec, Cf + k * N + c * kVec,
                               host_splat(dtx[k * P + p]));
-          if (out[k] != nullptr) store_chunk<kUnit>(out[k] + c * step, stride, st);
+          if (dst_rows[k] != nullptr) store_chunk<kUnit>(dst_rows[k] + c * step, stride, st);
         }
       }
       for (int64_t k = 0; k < count; ++k) chunk_to_lanes<PoolT>(load_ordered_chunk(acc + k * kVec), acc + k * kVec);
@@ -193,7 +176,7 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
             st[v] = advance(st[v], dA_n, dtx[k * P + p], Bf[k * N + n]);
             a[v] = accumulate_y(a[v], st[v], Cf[k * N + n]);
           }
-          if (out[k] != nullptr) DstateRow<kVec, kUnit, PoolT>{out[k], stride}.store_tail(full, rest, st);
+          if (dst_rows[k] != nullptr) DstateRow<kVec, kUnit, PoolT>{dst_rows[k], stride}.store_tail(full, rest, st);
         }
       }
       for (int64_t k = 0; k < count; ++k) ys[k * P + p] = reduce_lanes(acc + k * kVec);
