@@ -600,6 +600,18 @@ __device__ __forceinline__ void store_chunk_raw(T* p, uint4 raw) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// The same as one 16-byte store instruction, always: in the lean kernel's streamed
+// rows the compiler split some chunks into their four words and stored those with
+// four 32-bit stores. The memory clobber keeps it in program order with every other
+// access, as a plain store is kept where it may alias them. (Not the default: in
+// kernels that hold all their rows it cost registers, and spills at 64.)
+template <typename T>
+__device__ __forceinline__ void store_chunk_v4(T* p, uint4 raw) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(raw.x), "r"(raw.y), "r"(raw.z),
+               "r"(raw.w)
+               : "memory");
+}
+
 template <int VEC, typename T>
 __device__ __forceinline__ void widen_chunk(uint4 raw, float (&r)[VEC]) {
   static_assert(VEC * sizeof(T) == 16, "one chunk is 16 bytes");

@@ -223,16 +223,20 @@ def step_args(inputs: dict) -> tuple:
     return tuple(inputs[name] for name in STEP_ARGS)
 
 
+def _clone_same_strides(v: torch.Tensor) -> torch.Tensor:
+    # A stride-0 expansion (layout "broadcast") cannot be copied into: its one
+    # element along those dimensions is copied, then expanded again.
+    if any(st == 0 and sz > 1 for sz, st in zip(v.size(), v.stride())):
+        one = v[tuple(slice(0, 1) if st == 0 else slice(None) for st in v.stride())]
+        return _clone_same_strides(one).expand(v.size())
+    c = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+    c.copy_(v)
+    return c
+
+
 def clone_inputs(inputs: dict) -> dict:
     """Independent copies of every tensor, same values and strides."""
-    out = {}
-    for k, v in inputs.items():
-        if isinstance(v, torch.Tensor):
-            c = torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
-            c.copy_(v)
-            v = c
-        out[k] = v
-    return out
+    return {k: _clone_same_strides(v) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 def run_step(inputs: dict) -> torch.Tensor:

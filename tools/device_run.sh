@@ -15,8 +15,13 @@
 #   probe       tools/exception_probe.py (do refused calls crash this environment?); on a
 #               crash, the native backtrace from cuda-gdb; compiler versions; in probe.log
 #   tune        tools/cuda_tune.py: kernel / block-size sweep against the copy ceiling (+ bit check)
+#   build-base, tune-base
+#               the same two in BASE_TREE, a plain copy of an earlier commit made before the
+#               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
+#               after in one call; logs build-base.log, tune-base.log
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
-#               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt
+#               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
+#               ncu arguments (e.g. --section SourceCounters)
 #   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
 #   bench-quick the same without torch.compile(reference)
 #   bench-multi tools/bench_multi.py (multi-token step; no reference timings), MULTI_ARGS extra
@@ -97,7 +102,7 @@ for stage in "${STAGES[@]}"; do
     TO=()
   fi
   case "$stage" in
-    build)
+    build | build-base)
       # TORCH_SSD_SYSTEM_CXX=1 (the default; 0 turns it off): build with the system
       # gcc/g++ instead of $CC/$CXX. On this
       # workplace's CUDA image $CXX is a wrapper (/opt/gcc/bin/g++) whose links put a
@@ -108,18 +113,29 @@ for stage in "${STAGES[@]}"; do
           [[ -x $c ]] && export CXX=$c CC=${c/g++/gcc} && break
         done
       fi
-      env_info >"$OUT/env.txt" 2>&1
-      { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1; file -L "${CXX:-g++}"; } >>"$OUT/env.txt" 2>&1
-      cat "$OUT/env.txt"
+      if [[ $stage == build-base ]]; then
+        [[ -d "${BASE_TREE:-}" ]] || { record "$stage" 2 0; echo "build-base: BASE_TREE '${BASE_TREE:-}' is not a directory"; continue; }
+        pushd "$BASE_TREE" >/dev/null
+        log="$OUT/build-base.log"
+      else
+        log="$OUT/build.log"
+        env_info >"$OUT/env.txt" 2>&1
+        { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1; file -L "${CXX:-g++}"; } >>"$OUT/env.txt" 2>&1
+        cat "$OUT/env.txt"
+      fi
       # A CPU-only _C*.so carried from elsewhere must not shadow this build.
       rm -f torch_ssd/_C*.so
       # TORCH_SSD_CPU_CLONES=0, TORCH_SSD_CPU_OPT=1: the CPU kernels without their AVX2 /
       # AVX-512 clones, at -O1 (ssd_cpu.cpp is otherwise the build's longest file by
       # minutes; here the CPU kernels only cross-check, and give the same results).
-      QUIET=1 run_stage build "$OUT/build.log" "${TO[@]}" env TORCH_SSD_CUDA=1 TORCH_SSD_PTXAS_V=1 MAX_JOBS="$(nproc)" \
+      QUIET=1 run_stage "$stage" "$log" "${TO[@]}" env TORCH_SSD_CUDA=1 TORCH_SSD_PTXAS_V=1 MAX_JOBS="$(nproc)" \
         TORCH_SSD_CPU_CLONES="${TORCH_SSD_CPU_CLONES:-0}" TORCH_SSD_CPU_OPT="${TORCH_SSD_CPU_OPT:-1}" \
-        "$PY" setup.py build_ext --inplace || { grep -E -B2 -A8 "error" "$OUT/build.log" | head -n 80; break; }
-      grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -n 20
+        "$PY" setup.py build_ext --inplace || { grep -E -B2 -A8 "error" "$log" | head -n 80; [[ $stage == build ]] && break; }
+      if [[ $stage == build-base ]]; then
+        popd >/dev/null
+        continue
+      fi
+      grep -E "registers|spill" "$log" | sort | uniq -c | sort -rn | head -n 20
       { echo "=== libraries and libstdc++ copies in the extension"; readelf -d torch_ssd/_C*.so | grep NEEDED
         echo "libstdc++ stream code defined inside: $(nm -C --defined-only torch_ssd/_C*.so | grep -c 'basic_ostream')"
       } 2>&1 | tee -a "$OUT/env.txt"
@@ -149,6 +165,11 @@ for stage in "${STAGES[@]}"; do
     tune)
       run_stage tune "$OUT/tune.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
       ;;
+    tune-base)
+      pushd "${BASE_TREE:?the tree build-base built}" >/dev/null &&
+        run_stage tune-base "$OUT/tune-base.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
+      popd >/dev/null
+      ;;
     probe)
       { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1
         "$PY" -c "import torch; print(torch.__config__.show())" | grep -i -E "gcc|compiler|abi"; } >>"$OUT/probe.log" 2>&1
@@ -164,6 +185,7 @@ for stage in "${STAGES[@]}"; do
         run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" ncu --clock-control none --kernel-name regex:$kernel \
           --launch-skip 4 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
+          ${NCU_ARGS:-} \
           "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}"
       done
       ;;

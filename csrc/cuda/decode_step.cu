@@ -466,11 +466,19 @@ constexpr int lean_min_blocks() {
   return !lean_streams<kRows>() && kRows * KB * vec_of<PoolT>() <= 32 ? 4 : 2;
 }
 
+// Whether a thread's B and C chunks are held widened across its rows: with more
+// than one row, in a kernel of 128 registers, where they take at most 64 of them.
+template <typename PoolT, int kRows, int KB>
+constexpr bool lean_holds_bc() {
+  return kRows > 1 && lean_min_blocks<PoolT, kRows, KB>() == 2 && KB * vec_of<PoolT>() <= 32;
+}
+
 template <typename PoolT, typename InT, int kRows, int KB>
 __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>())
     decode_step_lean(const __grid_constant__ StepParams s, const LeanLaunch L) {
   constexpr int VEC = vec_of<PoolT>();
   constexpr bool kStream = lean_streams<kRows>();
+  constexpr bool kHoldBC = lean_holds_bc<PoolT, kRows, KB>();
   // KB: the chunks per lane of the row map (host-checked), a compile-time count.
   const RowMap& m = L.map;
   const uint32_t h = blockIdx.x, t = blockIdx.y;
@@ -539,7 +547,7 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
     for (int j = 0; j < KB; ++j)
       if (valid[r]) st[j] = load_chunk_raw(row + j * m.lanes * VEC);
   };
-  uint4 st[kStream ? 2 : kRows][KB];  // state chunks as stored: widened one at a time, when used
+  uint4 st[kStream ? 1 : kRows][KB];  // state chunks as stored: widened one at a time, when used
   // kStream: one row in flight ahead of the one computed (then stored); else every
   // row loaded up front.
 #pragma unroll
@@ -559,6 +567,18 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
     dA[r] = __shfl_sync(kFullMask, dA_own, owner);
     dtx[r] = __shfl_sync(kFullMask, dtx_own, owner);
   }
+  // This lane's B and C chunks are the same for every row it computes: with more
+  // than one row they are loaded and widened once, into registers, where they fit
+  // (kHoldBC); else loaded (from L1) and widened per row.
+  float b_held[kHoldBC ? KB : 1][VEC], c_held[kHoldBC ? KB : 1][VEC];
+  if constexpr (kHoldBC) {
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      const int c = j * m.lanes + li;
+      load_unit_shared<VEC>(b_row + c * VEC, b_held[j]);
+      load_unit_shared<VEC>(c_row + c * VEC, c_held[j]);
+    }
+  }
   // Row r's step on its chunks; returns this lane's part of the row's y sum.
   auto advance_row = [&](int r, uint4 (&chunks)[KB]) {
     float acc = 0.0f;
@@ -566,8 +586,13 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
     for (int j = 0; j < KB; ++j) {
       const int c = j * m.lanes + li;
       float b[VEC], cc[VEC], x[VEC];
-      load_unit_shared<VEC>(b_row + c * VEC, b);
-      load_unit_shared<VEC>(c_row + c * VEC, cc);
+      if constexpr (kHoldBC) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) b[v] = b_held[j][v], cc[v] = c_held[j][v];
+      } else {
+        load_unit_shared<VEC>(b_row + c * VEC, b);
+        load_unit_shared<VEC>(c_row + c * VEC, cc);
+      }
       widen_chunk<VEC, PoolT>(chunks[j], x);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
@@ -582,7 +607,10 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
     if (!(valid[r] && last)) return;
     PoolT* row = dst_row0 + r * row_step;
 #pragma unroll
-    for (int j = 0; j < KB; ++j) store_chunk_raw(row + j * m.lanes * VEC, chunks[j]);
+    for (int j = 0; j < KB; ++j) {
+      if constexpr (kStream) store_chunk_v4(row + j * m.lanes * VEC, chunks[j]);
+      else store_chunk_raw(row + j * m.lanes * VEC, chunks[j]);
+    }
   };
   float own_sum = 0.0f;  // the y sum of row q_own, from the lanes that computed it
   auto collect = [&](int r, float acc) {
@@ -592,17 +620,25 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
   };
   if constexpr (kStream) {
     // Row r + 1's loads are issued before row r is computed and stored; a store
-    // may alias a later row, so the compiler keeps this order: two rows live.
+    // may alias a later row, so the compiler keeps this order: two rows live, in
+    // two named arrays taking turns.
+    static_assert(kRows % 2 == 0, "rows taken in pairs");
+    uint4 (&even)[KB] = st[0];
+    uint4 odd[KB];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (r + 1 < kRows) load_row(r + 1, st[(r + 1) & 1]);
-      const float acc = advance_row(r, st[r & 1]);
-      store_row(r, st[r & 1]);
-      collect(r, acc);
+    for (int r = 0; r < kRows; r += 2) {
+      load_row(r + 1, odd);
+      const float acc_even = advance_row(r, even);
+      store_row(r, even);
+      collect(r, acc_even);
+      if (r + 2 < kRows) load_row(r + 2, even);
+      const float acc_odd = advance_row(r + 1, odd);
+      store_row(r + 1, odd);
+      collect(r + 1, acc_odd);
     }
   } else {
     // Every row is computed before anything is stored, so that the compiler may
-    // hoist every B / C load above the arithmetic (a store in between could alias them).
+    // hoist the loads above the arithmetic (a store in between could alias them).
     float acc[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[r] = advance_row(r, st[r]);
@@ -733,25 +769,21 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
 
 // Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1, 2 or 4 forces it
 // (fewer where a warp's rows would outnumber its lanes, 2 at most with 8 chunks per
-// lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md):
-//   16-bit pools, from the rows per multiprocessor ("2026-12-01, third session"): 2
-//   up to ~1200 (T <= 16 for the benchmark shapes: 3-4 points of copy bandwidth above
-//   1, and 0.2 us less per step at T = 1), 1 up to ~6000 (T = 64, where 2 and 4 were
-//   behind), 4 beyond (T = 256: 6-8 points above 1);
-//   float32 pools 2 where the step has enough tiles to spread over every
-//   multiprocessor, else 1 ("2026-11-30, lean kernel": 2 rows gained 4-7 points at
-//   T = 256, -1.5 to +3.5 at T <= 64; 4 streamed measured level with 2).
-int pick_lean_rows(const Dims& d, const RowMap& m, int W, int elem_size) {
+// lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md, "2026-12-01,
+// fourth session"):
+//   16-bit pools, from the rows per multiprocessor (T * H * P / SMs): 2 up to ~1200
+//   (T <= 16 for the benchmark shapes: 3-4 points of copy bandwidth above 1 and 4
+//   there, and 0.2 us less per step at T = 1), 4 beyond (T = 64: 2-2.5 points above
+//   1, T = 256: 9-12 points above 1);
+//   float32 pools 2 (T = 1 under graph replay 0.4-1.1 us less per step than 1; level
+//   with 4 elsewhere, and 1 was 3-5 points behind at T = 256).
+int pick_lean_rows(const Dims& d, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ROWS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced == 1 || forced == 2 || forced == 4) return forced;
-  if (elem_size != 4) {
-    const int64_t rows_per_sm = d.T * d.H * d.P / num_sms();
-    return rows_per_sm > 6000 ? 4 : rows_per_sm > 1200 ? 1 : 2;
-  }
-  const int64_t pass = static_cast<int64_t>(W) * m.rows_per_warp();
-  const int64_t tiles2 = (d.P + 2 * pass - 1) / (2 * pass);
-  return d.T * d.H * tiles2 >= 4 * static_cast<int64_t>(num_sms()) ? 2 : 1;
+  if (elem_size == 4) return 2;
+  const int64_t rows_per_sm = d.T * d.H * d.P / num_sms();
+  return rows_per_sm > 1200 ? 4 : 2;
 }
 
 // Warps per block of the lean kernel (TORCH_SSD_CUDA_WARPS=1..8 overrides): one. Its
@@ -809,7 +841,7 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
     const RowMap map = step_row_map<PoolT>(d.N);
     if (want_lean() && lean_applies<PoolT>(d, map, unit, a_per_n, d.T, x, dt, B, C, z, y)) {
       const int W = pick_lean_warps();
-      int rows = pick_lean_rows(d, map, W, static_cast<int>(sizeof(PoolT)));
+      int rows = pick_lean_rows(d, static_cast<int>(sizeof(PoolT)));
       while (rows > 1 && rows * map.rows_per_warp() > kWarp) rows /= 2;  // a warp's rows fit its lanes
       auto with_in_type = [&](auto fn) {
         if (s.B.dtype == Dtype::kBFloat16) fn(c10::BFloat16{});
