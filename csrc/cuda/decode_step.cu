@@ -772,11 +772,11 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
 // lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md, "2026-12-01,
 // fourth session"):
 //   16-bit pools, from the rows per multiprocessor (T * H * P / SMs): 2 up to ~1200
-//   (T <= 16 for the benchmark shapes: 3-4 points of copy bandwidth above 1 and 4
-//   there, and 0.2 us less per step at T = 1), 4 beyond (T = 64: 2-2.5 points above
-//   1, T = 256: 9-12 points above 1);
+//   (T <= 16 for the benchmark shapes: 3-4 points of copy bandwidth above 1, 4 rows
+//   from 3.8 behind to 0.9 ahead; at T = 1 0.2-1.0 us less per step than 1 or 4), 4
+//   beyond (T = 64: 1.8-2.5 points above 1, T = 256: 9-12 above 1, 6 above 2);
 //   float32 pools 2 (T = 1 under graph replay 0.4-1.1 us less per step than 1; level
-//   with 4 elsewhere, and 1 was 3-5 points behind at T = 256).
+//   with 4 elsewhere, and 1 was 4-6 points behind at T = 256).
 int pick_lean_rows(const Dims& d, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ROWS");
   const int forced = env ? std::atoi(env) : 0;
