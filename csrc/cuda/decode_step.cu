@@ -409,9 +409,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 // little but the step's own work per row. One tile of rows per block, as in
 // decode_step_kernel, but:
 //   * B and C chunks go straight from global memory into registers (vector loads
-//     through L1, where the block's other rows find them): no shared memory, no
-//     barrier, so a block may be a single warp and start its row loads as soon as
-//     the slot index is in;
+//     through L1, where the block's other rows find them), widened once per thread
+//     where it has two or four rows; no block barrier, so a block may be a single
+//     warp and start its row loads as soon as the slot index is in (four rows in a
+//     one-warp block: B and C widened once by the warp into shared memory, which
+//     measured faster than holding them in 64 registers);
 //   * the state is held as loaded (raw 16-bit chunks take half the registers of
 //     widened ones); with one or two rows per thread every row is computed before
 //     anything is stored (no store between the loads lets the compiler hoist them
@@ -473,12 +475,15 @@ constexpr bool lean_holds_bc() {
   return kRows > 1 && lean_min_blocks<PoolT, kRows, KB>() == 2 && KB * vec_of<PoolT>() <= 32;
 }
 
-template <typename PoolT, typename InT, int kRows, int KB>
-__global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>())
+// kSharedBC (one warp per block): B and C widened once by the warp into shared
+// memory instead of held in registers (lean_holds_bc); 128 registers either way.
+template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
+__global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
+                                  kSharedBC ? 16 : lean_min_blocks<PoolT, kRows, KB>())
     decode_step_lean(const __grid_constant__ StepParams s, const LeanLaunch L) {
   constexpr int VEC = vec_of<PoolT>();
   constexpr bool kStream = lean_streams<kRows>();
-  constexpr bool kHoldBC = lean_holds_bc<PoolT, kRows, KB>();
+  constexpr bool kHoldBC = lean_holds_bc<PoolT, kRows, KB>() && !kSharedBC;
   // KB: the chunks per lane of the row map (host-checked), a compile-time count.
   const RowMap& m = L.map;
   const uint32_t h = blockIdx.x, t = blockIdx.y;
@@ -570,6 +575,22 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
   // This lane's B and C chunks are the same for every row it computes: with more
   // than one row they are loaded and widened once, into registers, where they fit
   // (kHoldBC); else loaded (from L1) and widened per row.
+  // kSharedBC: the block's one warp widens B and C into shared memory (B's N floats,
+  // then C's), each lane a 32nd of the chunks; every lane then reads its chunks there.
+  extern __shared__ __align__(16) float lean_bc[];
+  if constexpr (kSharedBC) {
+    const int chunks = static_cast<int>(s.N) / VEC;
+    for (int i = lane; i < 2 * chunks; i += kWarp) {
+      const bool is_c = i >= chunks;
+      const int c = is_c ? i - chunks : i;
+      float v[VEC];
+      load_unit_shared<VEC>((is_c ? c_row : b_row) + c * VEC, v);
+      float4* out = reinterpret_cast<float4*>(lean_bc + (is_c ? s.N : 0) + c * VEC);
+#pragma unroll
+      for (int q = 0; q < VEC / 4; ++q) out[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    }
+    __syncwarp();
+  }
   float b_held[kHoldBC ? KB : 1][VEC], c_held[kHoldBC ? KB : 1][VEC];
   if constexpr (kHoldBC) {
 #pragma unroll
@@ -589,6 +610,8 @@ __global__ void __launch_bounds__(kMaxThreads, lean_min_blocks<PoolT, kRows, KB>
       if constexpr (kHoldBC) {
 #pragma unroll
         for (int v = 0; v < VEC; ++v) b[v] = b_held[j][v], cc[v] = c_held[j][v];
+      } else if constexpr (kSharedBC) {
+        bc_chunk<VEC>(lean_bc, lean_bc + s.N, c, b, cc);
       } else {
         load_unit_shared<VEC>(b_row + c * VEC, b);
         load_unit_shared<VEC>(c_row + c * VEC, cc);
@@ -808,9 +831,9 @@ bool pick_prefetch(int64_t blocks, int per_sm) {
   return use_pdl() && blocks <= static_cast<int64_t>(per_sm) * num_sms();
 }
 
-template <typename PoolT, typename InT, int kRows, int KB>
+template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
 void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
-  auto kernel = decode_step_lean<PoolT, InT, kRows, KB>;
+  auto kernel = decode_step_lean<PoolT, InT, kRows, KB, kSharedBC>;
   // Resident blocks per multiprocessor: an occupancy query (safe under graph
   // capture), once per kernel and block size.
   static int per_sm[kMaxThreads / kWarp + 1] = {};
@@ -822,7 +845,9 @@ void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, c
   const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
   L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
   const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(d.T), static_cast<unsigned>(tiles));
-  launch_kernel(kernel, grid, dim3(W * kWarp), 0, stream, use_pdl(), s, L);
+  const size_t smem = kSharedBC ? 2 * static_cast<size_t>(d.N) * sizeof(float) : 0;
+  if constexpr (kSharedBC) allow_smem(kernel, smem);
+  launch_kernel(kernel, grid, dim3(W * kWarp), smem, stream, use_pdl(), s, L);
 }
 
 void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Tensor& dt, const Tensor& A,
@@ -853,7 +878,11 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
           if (rows >= 2) launch_lean<PoolT, InT, 2, 8>(d, s, map, W, stream);
           else launch_lean<PoolT, InT, 1, 8>(d, s, map, W, stream);
         } else {
-          if (rows == 4) launch_lean<PoolT, InT, 4, 4>(d, s, map, W, stream);
+          // Four rows in a one-warp block: B / C in shared memory (H200, "2026-12-01,
+          // fourth session": 2.0-2.8 points of copy bandwidth above holding them in
+          // registers at T = 64 and 256).
+          if (rows == 4 && W == 1) launch_lean<PoolT, InT, 4, 4, true>(d, s, map, W, stream);
+          else if (rows == 4) launch_lean<PoolT, InT, 4, 4>(d, s, map, W, stream);
           else if (rows == 2) launch_lean<PoolT, InT, 2, 4>(d, s, map, W, stream);
           else launch_lean<PoolT, InT, 1, 4>(d, s, map, W, stream);
         }
