@@ -18,7 +18,8 @@
 #   build-base, tune-base
 #               the same two in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
-#               after in one call; logs build-base.log, tune-base.log
+#               after in one call; logs build-base.log, tune-base.log (build-base may run
+#               alongside build in a second process given its own OUT)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
 #               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
