@@ -290,6 +290,57 @@ SSD_CPU_INLINE void chunk_to_lanes(const HostChunk& acc, float* lanes) {
   for (int v = 0; v < kVec; ++v) lanes[v] = o[chunk_lane<Order>(v)];
 }
 
+// One channel (t, h, p): advance its N elements of state from `in`, store them
+// to `out` when kWrite, and return y's sum over N of state * C. Bf, Cf (and Af
+// when kAPerN) are float rows whose whole chunks are in PoolT's lane order.
+// The multi-token kernel carries a channel's state between its tokens in float32,
+// in `carry` (whole chunks as held, HostChunk's halves in turn, then the tail
+// elements): kFromCarry reads the state from there instead of `in`, kToCarry
+// leaves the advanced state there too.
+template <typename PoolT, bool kUnit, bool kAPerN, bool kWrite, bool kFromCarry = false, bool kToCarry = false>
+SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, int64_t N, const float* Bf,
+                                  const float* Cf, const float* Af, float dtv, float dA_splat, float dtx,
+                                  float* carry = nullptr) {
+  const int64_t full = N / kVec;
+  const int rest = static_cast<int>(N - full * kVec);
+  const int64_t step = kVec * (kUnit ? 1 : stride);
+  const HostF32x8 dtx8 = host_splat(dtx);
+  HostChunk dA{host_splat(dA_splat), host_splat(dA_splat)};
+  HostChunk acc{host_splat(0.0f), host_splat(0.0f)};
+  for (int64_t c = 0; c < full; ++c) {
+    HostChunk st;
+    if constexpr (kFromCarry) st = load_ordered_chunk(carry + c * kVec);
+    else load_chunk<kUnit>(in + c * step, stride, st);
+    const HostChunk b = load_ordered_chunk(Bf + c * kVec), cc = load_ordered_chunk(Cf + c * kVec);
+    if constexpr (kAPerN) {
+      float d[kVec];
+      for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv);
+      dA = load_ordered_chunk(d);
+    }
+    advance_chunk(st, acc, dA, dtx8, b, cc);
+    if constexpr (kToCarry) {
+      __builtin_memcpy(carry + c * kVec, &st.lo, sizeof st.lo);
+      __builtin_memcpy(carry + c * kVec + 8, &st.hi, sizeof st.hi);
+    }
+    if constexpr (kWrite) store_chunk<kUnit>(out + c * step, stride, st);
+  }
+  if (!rest) return reduce_chunk<PoolT>(acc);
+  // The tail, element by element into the same lanes of reduce_lanes' tree.
+  float lanes[kVec], st[kVec];
+  chunk_to_lanes<PoolT>(acc, lanes);
+  if constexpr (kFromCarry) std::copy(carry + full * kVec, carry + full * kVec + rest, st);
+  else DstateRow<kVec, kUnit, const PoolT>{in, stride}.load_tail(full, rest, st);
+  for (int v = 0; v < rest; ++v) {
+    const int64_t n = full * kVec + v;
+    const float dA_n = kAPerN ? decay(Af[n], dtv) : dA_splat;
+    st[v] = advance(st[v], dA_n, dtx, Bf[n]);
+    lanes[v] = accumulate_y(lanes[v], st[v], Cf[n]);
+  }
+  if constexpr (kToCarry) std::copy(st, st + rest, carry + full * kVec);
+  if constexpr (kWrite) DstateRow<kVec, kUnit, PoolT>{out, stride}.store_tail(full, rest, st);
+  return reduce_lanes(lanes);
+}
+
 #if !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif

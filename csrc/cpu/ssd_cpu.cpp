@@ -21,45 +21,6 @@ namespace {
 
 using namespace cpu;
 
-// One channel (t, h, p): advance its N elements of state from `in`, store them
-// to `out` when kWrite, and return y's sum over N of state * C. Bf, Cf (and Af
-// when kAPerN) are float rows whose whole chunks are in PoolT's lane order.
-template <typename PoolT, bool kUnit, bool kAPerN, bool kWrite>
-SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, int64_t N, const float* Bf,
-                                  const float* Cf, const float* Af, float dtv, float dA_splat, float dtx) {
-  const int64_t full = N / kVec;
-  const int rest = static_cast<int>(N - full * kVec);
-  const int64_t step = kVec * (kUnit ? 1 : stride);
-  const HostF32x8 dtx8 = host_splat(dtx);
-  HostChunk dA{host_splat(dA_splat), host_splat(dA_splat)};
-  HostChunk acc{host_splat(0.0f), host_splat(0.0f)};
-  for (int64_t c = 0; c < full; ++c) {
-    HostChunk st;
-    load_chunk<kUnit>(in + c * step, stride, st);
-    const HostChunk b = load_ordered_chunk(Bf + c * kVec), cc = load_ordered_chunk(Cf + c * kVec);
-    if constexpr (kAPerN) {
-      float d[kVec];
-      for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv);
-      dA = load_ordered_chunk(d);
-    }
-    advance_chunk(st, acc, dA, dtx8, b, cc);
-    if constexpr (kWrite) store_chunk<kUnit>(out + c * step, stride, st);
-  }
-  if (!rest) return reduce_chunk<PoolT>(acc);
-  // The tail, element by element into the same lanes of reduce_lanes' tree.
-  float lanes[kVec], st[kVec];
-  chunk_to_lanes<PoolT>(acc, lanes);
-  DstateRow<kVec, kUnit, const PoolT>{in, stride}.load_tail(full, rest, st);
-  for (int v = 0; v < rest; ++v) {
-    const int64_t n = full * kVec + v;
-    const float dA_n = kAPerN ? decay(Af[n], dtv) : dA_splat;
-    st[v] = advance(st[v], dA_n, dtx, Bf[n]);
-    lanes[v] = accumulate_y(lanes[v], st[v], Cf[n]);
-  }
-  if constexpr (kWrite) DstateRow<kVec, kUnit, PoolT>{out, stride}.store_tail(full, rest, st);
-  return reduce_lanes(lanes);
-}
-
 // The fused step for the (row, head) pairs [begin, end). The per-channel work
 // (x, dt, A, D, z, y) is done a head at a time over rows of P channels, so it
 // vectorises and its dtype dispatch is paid once per head, not once per channel.

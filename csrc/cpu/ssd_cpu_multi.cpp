@@ -1,10 +1,10 @@
 // CPU kernels of the multi-token decode step (docs/multi_token.md):
 // decode_step_multi(_out) and decode_step_varlen(_out). Parallel over (row, head);
-// for each channel (row, h, p) the source row is read once, chunk by chunk along N,
-// and each chunk advances through the row's tokens in float32 registers; the state
-// after token k is rounded once, on its store. Per element the arithmetic and the
-// reduction tree of y are those of the single-token CPU kernel (ssd_cpu.cpp), so a
-// float32 pool gives the bits of K single steps.
+// for each channel (row, h, p) the source row is read once and the row's tokens are
+// stepped in turn by the single-token kernel's step_channel (cpu_common.h), the
+// state carried between them in float32; the state after token k is rounded once,
+// on its store. Per element the arithmetic and the reduction tree of y are those of
+// the single-token CPU kernel, so a float32 pool gives the bits of K single steps.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -66,32 +66,19 @@ Plan make_plan(const MultiStepParams& m) {
   return plan;
 }
 
-// advance_chunk (cpu_common.h) on a chunk in PoolT's lane order (dstate_io.h: the even
-// and odd elements of a 16-bit chunk in separate registers, so widening and rounding
-// are whole-register operations), with the token's partial sums at acc: floats in the
-// same order, copied in and out, since scratch memory is not vector-aligned.
-SSD_CPU_INLINE void advance_token_chunk(HostChunk& st, float* acc, const HostChunk& dA, const float* b,
-                                        const float* c, HostF32x8 dtx) {
-  HostChunk a = load_ordered_chunk(acc);
-  advance_chunk(st, a, dA, dtx, load_ordered_chunk(b), load_ordered_chunk(c));
-  __builtin_memcpy(acc, &a.lo, sizeof a.lo);
-  __builtin_memcpy(acc + 8, &a.hi, sizeof a.hi);
-}
-
 // The multi-token step for the (row, head) pairs [begin, end).
 template <typename PoolT, bool kUnit, bool kAPerN>
 SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int64_t begin, int64_t end) {
   const StepParams& s = m.step;
   const int64_t N = s.N, P = s.P, full = N / kVec, Kmax = plan.max_tokens;
-  const int rest = static_cast<int>(N - full * kVec);
-  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + Kmax * kVec + (5 * Kmax + 1) * P);
+  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + (full + 1) * kVec + (5 * Kmax + 1) * P);
   float* Bf = scratch.data();      // (Kmax, N), whole chunks in PoolT's lane order
   float* Cf = Bf + Kmax * N;       // (Kmax, N), likewise
-  float* acc = Cf + Kmax * N;      // (Kmax, kVec): y's partial sums, PoolT's lane order, then natural
+  float* carry = Cf + Kmax * N;    // one channel's state between its tokens (step_channel)
   // Per token k and channel p of the head (k * P + p), as the single-token kernel
   // keeps them: x, dt (+ dt_bias, softplus), dt * x, exp(A * dt) when A is constant
   // along N, y's sum over N and then y; then P floats of finish_y_row's scratch.
-  float* xs = acc + Kmax * kVec;
+  float* xs = carry + (full + 1) * kVec;
   float* dtv = xs + Kmax * P;
   float* dtx = dtv + Kmax * P;
   float* dA = dtx + Kmax * P;
@@ -99,7 +86,6 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
   float* tmp = ys + Kmax * P;
   float* Af = tmp + P;  // (N,) when kAPerN, in PoolT's lane order
   std::vector<StepParams> views(Kmax);
-  std::vector<PoolT*> dst_rows(Kmax);  // per token: channel p's destination row, or nullptr
   for (int64_t k = 0; k < Kmax; ++k) views[k] = token_view(m, k);
   PoolT* pool = static_cast<PoolT*>(s.pool);
   int64_t widened_tg = -1;
@@ -139,47 +125,27 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
     for (int64_t p = 0; p < P; ++p) {
       if (next_in != nullptr) prefetch_row(next_in + p * s.pool_stride[2], N);
       if constexpr (kAPerN) widen_row_ordered<PoolT>(s.A, h * s.A.stride[0] + p * s.A.stride[1], s.A.stride[2], N, Af);
-      std::fill(acc, acc + count * kVec, 0.0f);
-      for (int64_t k = 0; k < count; ++k)
-        dst_rows[k] = slot_addressable(dst[k], s.S, s.pad_slot_id) ? pool + s.pool_offset(dst[k], h, p) : nullptr;
-
-      const int64_t stride = s.pool_stride[3], step = kVec * (kUnit ? 1 : stride);
       const PoolT* in = pool + s.pool_offset(row.src, h, p);
-      // Chunk-outer, token-inner: a chunk of the source is loaded before any token
-      // stores to that chunk, so a destination may be the source slot itself.
-      for (int64_t c = 0; c < full; ++c) {
-        HostChunk st;
-        load_chunk<kUnit>(in + c * step, stride, st);
-        for (int64_t k = 0; k < count; ++k) {
-          HostChunk dA_c;
-          if constexpr (kAPerN) {
-            float d[kVec];
-            for (int v = 0; v < kVec; ++v) d[v] = decay(Af[c * kVec + v], dtv[k * P + p]);
-            dA_c = load_ordered_chunk(d);
-          } else {
-            dA_c = HostChunk{host_splat(dA[k * P + p]), host_splat(dA[k * P + p])};
-          }
-          advance_token_chunk(st, acc + k * kVec, dA_c, Bf + k * N + c * kVec, Cf + k * N + c * kVec,
-                              host_splat(dtx[k * P + p]));
-          if (dst_rows[k] != nullptr) store_chunk<kUnit>(dst_rows[k] + c * step, stride, st);
-        }
+      // Token by token, each as the single-token kernel steps a channel (y's sum in
+      // registers across the chunks), the state carried in float32 between tokens:
+      // token 0 reads the source row, a later token the carry; each token's state
+      // goes to its destination row (if any) and, but for the last, to the carry.
+      // The source is read whole before any store, so a destination may be the
+      // source slot itself.
+      for (int64_t k = 0; k < count; ++k) {
+        PoolT* out = slot_addressable(dst[k], s.S, s.pad_slot_id) ? pool + s.pool_offset(dst[k], h, p) : nullptr;
+        const int64_t kp = k * P + p;
+        const float dA_kp = kAPerN || N == 0 ? 0.0f : dA[kp];
+        with_flag(out != nullptr, [&](auto kWrite) SSD_CPU_INLINE_LAMBDA {
+          with_flag(k > 0, [&](auto kFromCarry) SSD_CPU_INLINE_LAMBDA {
+            with_flag(k + 1 < count, [&](auto kToCarry) SSD_CPU_INLINE_LAMBDA {
+              ys[kp] = step_channel<PoolT, kUnit, kAPerN, decltype(kWrite)::value, decltype(kFromCarry)::value,
+                                    decltype(kToCarry)::value>(in, out, s.pool_stride[3], N, Bf + k * N,
+                                                               Cf + k * N, Af, dtv[kp], dA_kp, dtx[kp], carry);
+            });
+          });
+        });
       }
-      for (int64_t k = 0; k < count; ++k) chunk_to_lanes<PoolT>(load_ordered_chunk(acc + k * kVec), acc + k * kVec);
-      if (rest) {  // the tail, element by element into the same lanes of reduce_lanes' tree
-        float st[kVec];
-        DstateRow<kVec, kUnit, const PoolT>{in, stride}.load_tail(full, rest, st);
-        for (int64_t k = 0; k < count; ++k) {
-          float* a = acc + k * kVec;
-          for (int v = 0; v < rest; ++v) {
-            const int64_t n = full * kVec + v;
-            const float dA_n = kAPerN ? decay(Af[n], dtv[k * P + p]) : dA[k * P + p];
-            st[v] = advance(st[v], dA_n, dtx[k * P + p], Bf[k * N + n]);
-            a[v] = accumulate_y(a[v], st[v], Cf[k * N + n]);
-          }
-          if (dst_rows[k] != nullptr) DstateRow<kVec, kUnit, PoolT>{dst_rows[k], stride}.store_tail(full, rest, st);
-        }
-      }
-      for (int64_t k = 0; k < count; ++k) ys[k * P + p] = reduce_lanes(acc + k * kVec);
     }
     for (int64_t k = 0; k < count; ++k) {
       const StepParams& v = views[k];
