@@ -130,8 +130,8 @@ SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int6
       // registers across the chunks), the state carried in float32 between tokens:
       // token 0 reads the source row, a later token the carry; each token's state
       // goes to its destination row (if any) and, but for the last, to the carry.
-      // The source is read whole before any store, so a destination may be the
-      // source slot itself.
+      // Token 0 reads each chunk of the source before it stores that chunk, and
+      // later tokens read only the carry, so a destination may be the source slot.
       for (int64_t k = 0; k < count; ++k) {
         PoolT* out = slot_addressable(dst[k], s.S, s.pad_slot_id) ? pool + s.pool_offset(dst[k], h, p) : nullptr;
         const int64_t kp = k * P + p;
