@@ -318,10 +318,7 @@ SSD_CPU_INLINE float step_channel(const PoolT* in, PoolT* out, int64_t stride, i
       dA = load_ordered_chunk(d);
     }
     advance_chunk(st, acc, dA, dtx8, b, cc);
-    if constexpr (kToCarry) {
-      __builtin_memcpy(carry + c * kVec, &st.lo, sizeof st.lo);
-      __builtin_memcpy(carry + c * kVec + 8, &st.hi, sizeof st.hi);
-    }
+    if constexpr (kToCarry) store_chunk<true>(carry + c * kVec, 1, st);  // as held: float32 keeps the order
     if constexpr (kWrite) store_chunk<kUnit>(out + c * step, stride, st);
   }
   if (!rest) return reduce_chunk<PoolT>(acc);

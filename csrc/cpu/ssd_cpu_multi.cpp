@@ -70,15 +70,15 @@ Plan make_plan(const MultiStepParams& m) {
 template <typename PoolT, bool kUnit, bool kAPerN>
 SSD_CPU_INLINE void multi_range(const MultiStepParams& m, const Plan& plan, int64_t begin, int64_t end) {
   const StepParams& s = m.step;
-  const int64_t N = s.N, P = s.P, full = N / kVec, Kmax = plan.max_tokens;
-  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + (full + 1) * kVec + (5 * Kmax + 1) * P);
+  const int64_t N = s.N, P = s.P, Kmax = plan.max_tokens;
+  std::vector<float> scratch((2 * Kmax + (kAPerN ? 1 : 0)) * N + N + (5 * Kmax + 1) * P);
   float* Bf = scratch.data();      // (Kmax, N), whole chunks in PoolT's lane order
   float* Cf = Bf + Kmax * N;       // (Kmax, N), likewise
-  float* carry = Cf + Kmax * N;    // one channel's state between its tokens (step_channel)
+  float* carry = Cf + Kmax * N;    // (N,): one channel's state between its tokens (step_channel)
   // Per token k and channel p of the head (k * P + p), as the single-token kernel
   // keeps them: x, dt (+ dt_bias, softplus), dt * x, exp(A * dt) when A is constant
   // along N, y's sum over N and then y; then P floats of finish_y_row's scratch.
-  float* xs = carry + (full + 1) * kVec;
+  float* xs = carry + N;
   float* dtv = xs + Kmax * P;
   float* dtx = dtv + Kmax * P;
   float* dA = dtx + Kmax * P;
