@@ -64,8 +64,8 @@ def check(what: str, got, want, exact: bool = False):
         print(f"FAIL {what}: max diff {(got - want).abs().max().item():.3g}")
 
 
-def step_case(pool_dtype, layout, N, broadcast, idx_dtype):
-    S, T, H, P, G = 12, 6, 4, 8, 2
+def step_case(pool_dtype, layout, N, broadcast, idx_dtype, P=8, tag_extra=""):
+    S, T, H, G = 12, 6, 4, 2
     pool = randn(S, H, P, N, dtype=pool_dtype)
     x, z = randn(T, H, P, dtype=torch.bfloat16), randn(T, H, P, dtype=torch.bfloat16)
     B, C = randn(T, G, N, dtype=torch.bfloat16), randn(T, G, N, dtype=torch.bfloat16)
@@ -100,10 +100,28 @@ def step_case(pool_dtype, layout, N, broadcast, idx_dtype):
         torch.ops.ssd.decode_step_out(a["pool"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["z"],
                                       a["dt_bias"], False, dst_slot_idx.to(dev), None, -1, out)
         outs.append((y, out, a["pool"]))
-    tag = f"step {pool_dtype} {layout} N={N} broadcast={broadcast} {idx_dtype}"
+    tag = f"step {pool_dtype} {layout} N={N} P={P} broadcast={broadcast} {idx_dtype}{tag_extra}"
     check(tag + " y", outs[1][0], outs[0][0])
     check(tag + " out", outs[1][1], outs[0][1])
     check(tag + " pool", outs[1][2], outs[0][2])
+
+
+# Every lean-kernel form the launch may pick (rows per thread, warps per block; four
+# rows in a one-warp block take B / C through shared memory), forced in turn.
+LEAN_CHOICES = [{"TORCH_SSD_CUDA_LEAN_ROWS": r, "TORCH_SSD_CUDA_WARPS": w}
+                for r, w in (("1", "1"), ("2", "1"), ("2", "2"), ("4", "1"), ("4", "2"))]
+
+
+def lean_choice_cases(pool_dtype):
+    """The lean kernel's forms on rows that fill several row groups (P = 40: a
+    partial last tile) at N = 64 and 128, with the pad and out-of-range slots."""
+    for env in LEAN_CHOICES:
+        os.environ.update(env)
+        for N in (64, 128):
+            step_case(pool_dtype, "contiguous", N, broadcast=True, idx_dtype=torch.int64, P=40,
+                      tag_extra=f" rows={env['TORCH_SSD_CUDA_LEAN_ROWS']} warps={env['TORCH_SSD_CUDA_WARPS']}")
+        for key in env:
+            del os.environ[key]
 
 
 def verb_cases(pool_dtype, layout, N):
@@ -221,6 +239,7 @@ def main() -> int:
                 multi_cases(pool_dtype, layout, N)
         for bc_path in ("widened", "staged", "registers"):
             long_rows_case(pool_dtype, bc_path)
+        lean_choice_cases(pool_dtype)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "
           f"{'' if FAILS else 'cases passed'}")
