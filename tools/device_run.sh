@@ -15,6 +15,8 @@
 #   probe       tools/exception_probe.py (do refused calls crash this environment?); on a
 #               crash, the native backtrace from cuda-gdb; compiler versions; in probe.log
 #   tune        tools/cuda_tune.py: kernel / block-size sweep against the copy ceiling (+ bit check)
+#   t1-floor    tools/cuda_t1_floor.py: where a T = 1 step's time goes under graph replay (the
+#               step, its state in L2, every slot padded, a one-element fill), in t1_floor.log
 #   build-base, tune-base
 #               the same two in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
@@ -165,6 +167,9 @@ for stage in "${STAGES[@]}"; do
       ;;
     tune)
       run_stage tune "$OUT/tune.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
+      ;;
+    t1-floor)
+      run_stage t1-floor "$OUT/t1_floor.log" "${TO[@]}" "$PY" tools/cuda_t1_floor.py
       ;;
     tune-base)
       pushd "${BASE_TREE:?the tree build-base built}" >/dev/null &&

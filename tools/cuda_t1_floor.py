@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Where the time of a T = 1 decode step goes under CUDA-graph replay (issue #3's
+2.5 us target), on the benchmark's shapes and inputs.
+
+    python tools/cuda_t1_floor.py [--shapes 80,64,128,1 128,64,128,8] [--T 1]
+
+Per (shape, pool dtype), microseconds per step, each captured as the benchmark
+captures the op (several steps back to back in one graph, cycling over input sets
+larger than L2):
+  step        the decode step as benchmarked
+  l2          the same step on one input set (its state rows stay in L2)
+  pad         the same kernel with every slot the pad id: it reads the slot index,
+              writes y = 0 and leaves (launch, the slot-index load, the y store)
+  fill        a one-element fill_ kernel per step: the graph's per-kernel floor
+The differences place the time: step - l2 ~ DRAM latency and bandwidth of the
+state rows, l2 - pad ~ the step's own loads, arithmetic and stores from L2,
+pad - fill ~ the slot-index chain and the kernel's launch shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import torch_ssd  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch_ssd  # noqa: F401
+from torch_ssd import bench
+
+
+def graph_time(step, n_sets: int, timer: bench.Timer, device: torch.device) -> float:
+    """Seconds per call of step(j) with max(n_sets, 8) calls captured in one graph."""
+    steps = max(n_sets, 8)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for j in range(3):
+            step(j)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for j in range(steps):
+            step(j)
+    return timer.time(lambda i: graph.replay(), warmup_calls=3) / steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
+    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--T", nargs="+", type=int, default=[1])
+    ap.add_argument("--seconds", type=float, default=0.15)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
+    cache = bench.last_level_cache_bytes(device)
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us per step under graph replay")
+    print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>7} {'l2':>7} {'pad':>7} {'fill':>7}")
+    gen = torch.Generator().manual_seed(0)
+    tiny = torch.zeros(1, device=device)
+    for text in args.shapes:
+        shape = bench.Shape.parse(text)
+        for name in args.pool_dtypes:
+            pool_dtype = bench.DTYPES[name]
+            for T in args.T:
+                probe = bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
+                n_sets = max(1, min(64, math.ceil(4 * cache / probe.nbytes())))
+                sets = [probe] + [bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
+                                  for _ in range(n_sets - 1)]
+                pads = [torch.full_like(s.slot_idx, bench.PAD_SLOT_ID) for s in sets]
+
+                def step(j, sets=sets):
+                    s = sets[j % len(sets)]
+                    torch.ops.ssd.decode_step_out(*s.op_args(), s.out)
+
+                def step_l2(j, s=probe):
+                    torch.ops.ssd.decode_step_out(*s.op_args(), s.out)
+
+                def step_pad(j, sets=sets, pads=pads):
+                    s = sets[j % len(sets)]
+                    args_ = list(s.op_args())
+                    args_[10] = pads[j % len(sets)]
+                    torch.ops.ssd.decode_step_out(*args_, s.out)
+
+                times = [graph_time(fn, n, timer, device) for fn, n in
+                         ((step, n_sets), (step_l2, 1), (step_pad, n_sets), (lambda j: tiny.fill_(j), 1))]
+                print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{t * 1e6:7.2f}" for t in times), flush=True)
+                del sets, probe, pads
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
