@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch_ssd  # noqa: E402,F401  (registers torch.ops.ssd)
 from torch_ssd import reference_multi  # noqa: E402
 from torch_ssd.bench import (  # noqa: E402
-    DTYPES, SHORT_NAME, Shape, Timer, copy_bandwidth, inplace_bandwidth, last_level_cache_bytes)
+    DTYPES, SHORT_NAME, Shape, Timer, copy_bandwidth, graph_time, inplace_bandwidth, last_level_cache_bytes)
 
 PAD = -1
 
@@ -102,20 +102,8 @@ def multi_bytes(shape: Shape, T: int, K: int, pool_dtype, input_dtype) -> int:
 
 
 def _graph_time(sets, timer: Timer, device) -> float:
-    steps = max(len(sets), 4)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for s in sets[:2]:
-            s.multi()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(steps):
-            sets[j % len(sets)].multi()
-    per_replay = timer.time(lambda i: graph.replay(), warmup_calls=3)
-    del graph
-    return per_replay / steps
+    """Seconds per multi-token step, several steps (cycling over the input sets) in one graph."""
+    return graph_time(lambda j: sets[j % len(sets)].multi(), len(sets), timer, device, min_steps=4, warmup=2)
 
 
 def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, with_reference, with_compile,

@@ -34,22 +34,6 @@ except ImportError:
 from torch_ssd import bench
 
 
-def graph_time(step, n_sets: int, timer: bench.Timer, device: torch.device) -> float:
-    """Seconds per call of step(j) with max(n_sets, 8) calls captured in one graph."""
-    steps = max(n_sets, 8)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for j in range(3):
-            step(j)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(steps):
-            step(j)
-    return timer.time(lambda i: graph.replay(), warmup_calls=3) / steps
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
@@ -88,7 +72,7 @@ def main() -> int:
                     args_[10] = pads[j % len(sets)]
                     torch.ops.ssd.decode_step_out(*args_, s.out)
 
-                times = [graph_time(fn, n, timer, device) for fn, n in
+                times = [bench.graph_time(fn, n, timer, device) for fn, n in
                          ((step, n_sets), (step_l2, 1), (step_pad, n_sets), (lambda j: tiny.fill_(j), 1))]
                 print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{t * 1e6:7.2f}" for t in times), flush=True)
                 del sets, probe, pads

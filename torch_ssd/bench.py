@@ -475,23 +475,32 @@ def _ref_call(fn, inp: StepInputs):
               PAD_SLOT_ID)
 
 
-def _graph_time(sets, timer: Timer, device: torch.device) -> float:
-    """Capture several decode steps (cycling over the input sets) in one CUDA graph;
-    time replays; return seconds per step."""
-    steps = max(len(sets), 8)
+def graph_time(step, n_sets: int, timer: Timer, device: torch.device, min_steps: int = 8, warmup: int = 3) -> float:
+    """Capture max(n_sets, min_steps) calls step(0), step(1), ... in one CUDA graph (after
+    `warmup` calls on a side stream); time replays; return seconds per call."""
+    steps = max(n_sets, min_steps)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        for inp in sets[:3]:
-            torch.ops.ssd.decode_step_out(*inp.op_args(), inp.out)
+        for j in range(warmup):
+            step(j)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for j in range(steps):
-            inp = sets[j % len(sets)]
-            torch.ops.ssd.decode_step_out(*inp.op_args(), inp.out)
+            step(j)
     per_replay = timer.time(lambda i: graph.replay(), warmup_calls=3)
     return per_replay / steps
+
+
+def _graph_time(sets, timer: Timer, device: torch.device) -> float:
+    """Seconds per decode step, several steps (cycling over the input sets) replayed in
+    one CUDA graph."""
+    def step(j):
+        inp = sets[j % len(sets)]
+        torch.ops.ssd.decode_step_out(*inp.op_args(), inp.out)
+
+    return graph_time(step, len(sets), timer, device)
 
 
 def bench_one(shape: Shape, T: int, pool_dtype, input_dtype, device, timer: Timer, cache_bytes: int,
