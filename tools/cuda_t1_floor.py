@@ -41,6 +41,9 @@ def main() -> int:
     ap.add_argument("--T", nargs="+", type=int, default=[1])
     ap.add_argument("--seconds", type=float, default=0.15)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("cuda_t1_floor: needs a CUDA device", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
     cache = bench.last_level_cache_bytes(device)
