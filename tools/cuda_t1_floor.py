@@ -20,7 +20,6 @@ pad - fill ~ the slot-index chain and the kernel's launch shape.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -56,18 +55,8 @@ def main() -> int:
         for name in args.pool_dtypes:
             pool_dtype = bench.DTYPES[name]
             for T in args.T:
-                probe = bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
-                n_sets = max(1, min(64, math.ceil(4 * cache / probe.nbytes())))
-                sets = [probe] + [bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
-                                  for _ in range(n_sets - 1)]
+                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
                 pads = [torch.full_like(s.slot_idx, bench.PAD_SLOT_ID) for s in sets]
-
-                def step(j, sets=sets):
-                    s = sets[j % len(sets)]
-                    torch.ops.ssd.decode_step_out(*s.op_args(), s.out)
-
-                def step_l2(j, s=probe):
-                    torch.ops.ssd.decode_step_out(*s.op_args(), s.out)
 
                 def step_pad(j, sets=sets, pads=pads):
                     s = sets[j % len(sets)]
@@ -75,10 +64,11 @@ def main() -> int:
                     args_[10] = pads[j % len(sets)]
                     torch.ops.ssd.decode_step_out(*args_, s.out)
 
-                times = [bench.graph_time(fn, n, timer, device) for fn, n in
-                         ((step, n_sets), (step_l2, 1), (step_pad, n_sets), (lambda j: tiny.fill_(j), 1))]
+                times = [bench._graph_time(sets, timer, device), bench._graph_time(sets[:1], timer, device),
+                         bench.graph_time(step_pad, len(sets), timer, device),
+                         bench.graph_time(lambda j: tiny.fill_(j), 1, timer, device)]
                 print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{t * 1e6:7.2f}" for t in times), flush=True)
-                del sets, probe, pads
+                del sets, pads
                 torch.cuda.empty_cache()
     return 0
 

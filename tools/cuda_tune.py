@@ -36,7 +36,6 @@ whether y and the pool matched the first config bit for bit.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -98,10 +97,8 @@ def main() -> int:
         for name in args.pool_dtypes:
             pool_dtype = bench.DTYPES[name]
             for T in args.T:
-                probe = bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
-                n_sets = max(1, min(64, math.ceil(4 * cache / probe.nbytes())))
-                sets = [probe] + [bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
-                                  for _ in range(n_sets - 1)]
+                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
+                probe = sets[0]
                 nbytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
                 k = len(sets)
                 cells = []

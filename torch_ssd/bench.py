@@ -503,13 +503,20 @@ def _graph_time(sets, timer: Timer, device: torch.device) -> float:
     return graph_time(step, len(sets), timer, device)
 
 
+def make_input_sets(shape: Shape, T: int, pool_dtype, input_dtype, device, gen: torch.Generator,
+                    rotate_bytes: int) -> list[StepInputs]:
+    """Input sets (slots drawn from a pool of 2T) that together span at least
+    rotate_bytes (up to 64 sets), so that cycling over them defeats the cache."""
+    probe = make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen)
+    n_sets = max(1, min(64, math.ceil(rotate_bytes / probe.nbytes())))
+    return [probe] + [make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen) for _ in range(n_sets - 1)]
+
+
 def bench_one(shape: Shape, T: int, pool_dtype, input_dtype, device, timer: Timer, cache_bytes: int,
               with_compile: bool, progress: Progress, seed: int) -> Row:
-    num_slots = 2 * T
     gen = torch.Generator().manual_seed(seed)
-    probe = make_inputs(shape, T, num_slots, pool_dtype, input_dtype, device, gen)
-    n_sets = max(1, min(64, math.ceil(cache_bytes / probe.nbytes())))
-    sets = [probe] + [make_inputs(shape, T, num_slots, pool_dtype, input_dtype, device, gen) for _ in range(n_sets - 1)]
+    sets = make_input_sets(shape, T, pool_dtype, input_dtype, device, gen, cache_bytes)
+    n_sets = len(sets)
     row = Row(str(shape), T, SHORT_NAME[pool_dtype], SHORT_NAME[input_dtype],
               step_bytes(shape, T, pool_dtype, input_dtype), n_sets)
     label = f"{shape} T={T} pool {SHORT_NAME[pool_dtype]}"
