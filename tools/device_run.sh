@@ -17,6 +17,8 @@
 #   tune        tools/cuda_tune.py: kernel / block-size sweep against the copy ceiling (+ bit check)
 #   t1-floor    tools/cuda_t1_floor.py: where a T = 1 step's time goes under graph replay (the
 #               step, its state in L2, every slot padded, a one-element fill), in t1_floor.log
+#   pattern     tools/cuda_pattern_ceiling.py: the step against the simplest kernel of its access
+#               pattern (addressed slots read and written back in place, Triton), in pattern.log
 #   build-base, tune-base
 #               the same two in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
@@ -34,7 +36,7 @@
 #
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
-# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS (extra arguments),
+# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / PATTERN_ARGS (extra arguments),
 # FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
 #
@@ -170,6 +172,9 @@ for stage in "${STAGES[@]}"; do
       ;;
     t1-floor)
       run_stage t1-floor "$OUT/t1_floor.log" "${TO[@]}" "$PY" tools/cuda_t1_floor.py
+      ;;
+    pattern)
+      run_stage pattern "$OUT/pattern.log" "${TO[@]}" "$PY" tools/cuda_pattern_ceiling.py ${PATTERN_ARGS:-}
       ;;
     tune-base)
       pushd "${BASE_TREE:?the tree build-base built}" >/dev/null &&

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""How fast can the decode step's access pattern go at all? (issue #3's T >= 64 target)
+
+    python tools/cuda_pattern_ceiling.py [--shapes 80,64,128,1 128,64,128,8] [--T 64 256]
+
+On the benchmark's shapes and inputs (slots drawn from a pool of 2T, input sets cycled
+to defeat L2), per (shape, pool dtype, T), GB/s and % of a same-run device-to-device
+copy for:
+  step        the decode step as benchmarked (its bytes: bench.step_bytes)
+  slot-copy   the simplest kernel of the step's pattern: each addressed slot read and
+              written back in place, nothing else (a Triton kernel, one program per
+              BLOCK contiguous elements of a slot; the best of a few BLOCK sizes); its
+              bytes: the state's read and write only
+  seq-copy    the same kernel on slots 0..T-1 in order (the pattern without random slots)
+  gather      torch.index_select of the addressed slots into a buffer (random reads,
+              contiguous writes)
+Together they say how much of the gap to the copy is the pattern itself (random
+whole-slot regions read and rewritten in place) and how much the step's own kernel.
+Needs a CUDA device and Triton (exit 2 without them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import torch_ssd  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch_ssd  # noqa: F401
+from torch_ssd import bench
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def slot_copy(pool, slots, slot_elems, BLOCK: tl.constexpr):
+        """Slot slots[t]'s elements [pid * BLOCK, (pid + 1) * BLOCK) read and written back."""
+        t = tl.program_id(1)
+        slot = tl.load(slots + t).to(tl.int64)
+        offs = slot * slot_elems + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(pool + offs, tl.load(pool + offs))
+
+BLOCKS = (1024, 2048, 4096, 8192)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
+    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--T", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--seconds", type=float, default=0.2)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("cuda_pattern_ceiling: needs a CUDA device", file=sys.stderr)
+        return 2
+    if triton is None:
+        print("cuda_pattern_ceiling: needs Triton", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
+    cache = bench.last_level_cache_bytes(device)
+    copy_Bps = bench.copy_bandwidth(device, max(1 << 30, 16 * cache), timer)
+    print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"triton {triton.__version__}")
+    print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>14} {'slot-copy':>20} {'seq-copy':>14} {'gather':>14}")
+    gen = torch.Generator().manual_seed(0)
+
+    def cell(nbytes, secs):
+        return f"{nbytes / secs / 1e9:6.0f} {100 * nbytes / secs / copy_Bps:5.1f}%"
+
+    for text in args.shapes:
+        shape = bench.Shape.parse(text)
+        slot_elems = shape.H * shape.P * shape.N
+        for name in args.pool_dtypes:
+            pool_dtype = bench.DTYPES[name]
+            for T in args.T:
+                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
+                k = len(sets)
+                step_s = timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out),
+                                    warmup_calls=min(k, 8))
+                state_bytes = 2 * T * slot_elems * pool_dtype.itemsize
+                in_order = torch.arange(T, device=device, dtype=sets[0].slot_idx.dtype)
+
+                def best_copy(slots_of):
+                    best = None
+                    for block in BLOCKS:
+                        if slot_elems % block:
+                            continue
+                        grid = (slot_elems // block, T)
+                        secs = timer.time(lambda i: slot_copy[grid](sets[i % k].pool, slots_of(i % k), slot_elems,
+                                                                     BLOCK=block, num_warps=4),
+                                          warmup_calls=min(k, 8))
+                        if best is None or secs < best[0]:
+                            best = (secs, block)
+                    return best
+
+                rand_s, rand_block = best_copy(lambda j: sets[j].slot_idx)
+                seq_s, _ = best_copy(lambda j: in_order)
+                gathered = torch.empty((T, shape.H, shape.P, shape.N), dtype=pool_dtype, device=device)
+                gather_s = timer.time(lambda i: torch.index_select(sets[i % k].pool, 0, sets[i % k].slot_idx,
+                                                                   out=gathered), warmup_calls=min(k, 8))
+                print(f"{str(shape):>14} {name:>5} {T:>4} "
+                      f"{cell(bench.step_bytes(shape, T, pool_dtype, torch.bfloat16), step_s):>14} "
+                      f"{cell(state_bytes, rand_s) + f' b{rand_block}':>20} {cell(state_bytes, seq_s):>14} "
+                      f"{cell(state_bytes, gather_s):>14}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
