@@ -809,15 +809,19 @@ int pick_lean_rows(const Dims& d, int elem_size) {
   return rows_per_sm > 1200 ? 4 : 2;
 }
 
-// Warps per block of the lean kernel (TORCH_SSD_CUDA_WARPS=1..8 overrides): one. Its
-// blocks share nothing, and the smallest ones measured best (a block's slot is
-// refilled as soon as its one warp is done): on an H200 at T = 16 and 64, 1 warp
-// per block measured 1-7 points of copy bandwidth above 2, and 2 warps 1-4 above 4.
-int pick_lean_warps() {
+// Warps per block of the lean kernel (TORCH_SSD_CUDA_WARPS=1..8 overrides): one, but
+// two for float32 pools with more than 2000 rows per multiprocessor. Its blocks share
+// nothing, and the smallest ones measured best (a block's slot is refilled as soon as
+// its one warp is done): on an H200 at T = 16 and 64, 1 warp per block measured 1-7
+// points of copy bandwidth above 2, and 2 warps 1-4 above 4 (BENCHMARKS.md). Float32
+// pools at T = 256 ("2026-12-01, sixth session"): 2 warps 1.4-1.6 points above 1 (T = 64:
+// 0.0-1.5 above; T = 16, under 1000 rows per multiprocessor: 1.0-1.9 below).
+int pick_lean_warps(const Dims& d, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_WARPS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
-  return 1;
+  const int64_t rows_per_sm = d.T * d.H * d.P / num_sms();
+  return elem_size == 4 && rows_per_sm > 2000 ? 2 : 1;
 }
 
 // Whether the lean kernel warms L2 with its state rows before waiting on the
@@ -865,7 +869,7 @@ void step_into(const Dims& d, const Tensor& ssm_pool, const Tensor& x, const Ten
     using PoolT = decltype(tag);
     const RowMap map = step_row_map<PoolT>(d.N);
     if (want_lean() && lean_applies<PoolT>(d, map, unit, a_per_n, d.T, x, dt, B, C, z, y)) {
-      const int W = pick_lean_warps();
+      const int W = pick_lean_warps(d, static_cast<int>(sizeof(PoolT)));
       int rows = pick_lean_rows(d, static_cast<int>(sizeof(PoolT)));
       while (rows > 1 && rows * map.rows_per_warp() > kWarp) rows /= 2;  // a warp's rows fit its lanes
       auto with_in_type = [&](auto fn) {
