@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -33,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch_ssd  # noqa: E402,F401  (registers torch.ops.ssd)
 from torch_ssd import reference_multi  # noqa: E402
 from torch_ssd.bench import (  # noqa: E402
-    DTYPES, SHORT_NAME, Shape, Timer, copy_bandwidth, graph_time, inplace_bandwidth, last_level_cache_bytes)
+    DTYPES, SHORT_NAME, Shape, Timer, copy_bandwidth, graph_time, inplace_bandwidth, last_level_cache_bytes,
+    rotating_sets)
 
 PAD = -1
 
@@ -109,9 +109,8 @@ def _graph_time(sets, timer: Timer, device) -> float:
 def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, with_reference, with_compile,
               seed):
     gen = torch.Generator().manual_seed(seed)
-    probe = MultiInputs(shape, T, K, pool_dtype, input_dtype, device, gen)
-    n_sets = max(1, min(32, math.ceil(cache_bytes / probe.nbytes())))
-    sets = [probe] + [MultiInputs(shape, T, K, pool_dtype, input_dtype, device, gen) for _ in range(n_sets - 1)]
+    sets = rotating_sets(lambda: MultiInputs(shape, T, K, pool_dtype, input_dtype, device, gen), cache_bytes,
+                         max_sets=32)
     n = len(sets)
     warm = max(2, min(n, 8))
     row = {"shape": str(shape), "T": T, "K": K, "pool": SHORT_NAME[pool_dtype], "inputs": SHORT_NAME[input_dtype],
@@ -135,7 +134,8 @@ def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, 
     return row
 
 
-def print_rows(rows, copy_Bps, inplace_Bps, out=sys.stdout):
+def print_rows(rows, copy_Bps, inplace_Bps, out=None):
+    out = sys.stdout if out is None else out  # the stdout of the call, not of the import
     print(f"copy bandwidth (same run): {copy_Bps / 1e9:.1f} GB/s", file=out)
     print(f"in-place bandwidth (same run): {inplace_Bps / 1e9:.1f} GB/s (%floor is against the copy; on a CPU "
           f"the copy also reads its destination, so the in-place figure is the stricter floor)", file=out)

@@ -503,13 +503,19 @@ def _graph_time(sets, timer: Timer, device: torch.device) -> float:
     return graph_time(step, len(sets), timer, device)
 
 
+def rotating_sets(make, rotate_bytes: int, max_sets: int = 64) -> list:
+    """Input sets from make() (each with an nbytes() method): the first, then as many more
+    as together span at least rotate_bytes (max_sets at most), so that cycling over them
+    defeats the cache."""
+    probe = make()
+    n_sets = max(1, min(max_sets, math.ceil(rotate_bytes / probe.nbytes())))
+    return [probe] + [make() for _ in range(n_sets - 1)]
+
+
 def make_input_sets(shape: Shape, T: int, pool_dtype, input_dtype, device, gen: torch.Generator,
                     rotate_bytes: int) -> list[StepInputs]:
-    """Input sets (slots drawn from a pool of 2T) that together span at least
-    rotate_bytes (up to 64 sets), so that cycling over them defeats the cache."""
-    probe = make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen)
-    n_sets = max(1, min(64, math.ceil(rotate_bytes / probe.nbytes())))
-    return [probe] + [make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen) for _ in range(n_sets - 1)]
+    """Decode-step input sets (slots drawn from a pool of 2T) for rotating_sets."""
+    return rotating_sets(lambda: make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen), rotate_bytes)
 
 
 def bench_one(shape: Shape, T: int, pool_dtype, input_dtype, device, timer: Timer, cache_bytes: int,
@@ -561,7 +567,8 @@ def _fmt(v, spec, width):
     return ("-" if v is None else format(v, spec)).rjust(width)
 
 
-def print_tables(rows, copy_Bps: float, device: torch.device, out=sys.stdout):
+def print_tables(rows, copy_Bps: float, device: torch.device, out=None):
+    out = sys.stdout if out is None else out  # the stdout of the call, not of the import
     copy_gbps = copy_Bps / 1e9
     graph = any(r.graph_s is not None for r in rows)
     for shape in dict.fromkeys(r.shape for r in rows):

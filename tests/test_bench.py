@@ -1,0 +1,66 @@
+"""The main job (`python -m torch_ssd`, torch_ssd/bench.py): its input rotation, its exit
+statuses, and a run end to end on tiny shapes (timings are printed, never asserted)."""
+
+import json
+
+import pytest
+import torch
+
+from torch_ssd import bench
+
+
+class _Sized:
+    def __init__(self, nbytes):
+        self._nbytes = nbytes
+
+    def nbytes(self):
+        return self._nbytes
+
+
+@pytest.mark.parametrize("rotate, max_sets, want", [(250, 64, 3), (300, 64, 3), (301, 64, 4), (0, 64, 1),
+                                                   (10_000, 5, 5)])
+def test_rotating_sets_span_the_rotation_bytes(rotate, max_sets, want):
+    made = []
+
+    def make():
+        made.append(_Sized(100))
+        return made[-1]
+
+    sets = bench.rotating_sets(make, rotate, max_sets=max_sets)
+    assert len(sets) == want and sets == made  # the probe first, each set made once
+
+
+def test_step_bytes_counts_each_addressed_state_twice():
+    shape = bench.Shape.parse("4,8,16,2")
+    f32 = bench.step_bytes(shape, 3, torch.float32, torch.bfloat16)
+    bf16 = bench.step_bytes(shape, 3, torch.bfloat16, torch.bfloat16)
+    assert f32 - bf16 == 2 * 3 * 4 * 8 * 16 * 2  # read + write of T states, 2 bytes per element apart
+
+
+def test_main_job_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--device", "cpu", "--shapes", "4,8,16,1", "--T", "2", "3", "--quick", "--no-compile",
+                     "--no-progress", "--seconds", "0.01", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "(H,P,N,G) = (4,8,16,1)" in printed and "%copy" in printed
+    result = json.loads(out.read_text())
+    rows = {(r["T"], r["pool_dtype"]): r for r in result["rows"]}
+    assert set(rows) == {(2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")}
+    shape = bench.Shape.parse("4,8,16,1")
+    for (T, pool), row in rows.items():
+        assert row["bytes_per_step"] == bench.step_bytes(shape, T, bench.DTYPES[pool], torch.bfloat16)
+        assert row["op_s"] > 0 and row["ref_s"] > 0 and row["compiled_s"] is None
+    assert result["copy_GBps"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--T", "0"], ["--T", "2", "-1"]])
+def test_main_job_refuses_a_non_positive_T(argv, capsys):
+    assert bench.main(["--device", "cpu", "--check-only", "--no-progress"] + argv) == 2
+    assert "--T: every T must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_main_job_says_when_cuda_is_missing(capsys):
+    assert bench.main(["--device", "cuda", "--no-progress"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
