@@ -12,6 +12,9 @@ copy for:
               BLOCK contiguous elements of a slot; the best of a few BLOCK sizes); its
               bytes: the state's read and write only
   seq-copy    the same kernel on slots 0..T-1 in order (the pattern without random slots)
+  1w-256B     slot-copy in one-warp programs of 256 bytes per thread (the lean kernel's
+              footprint: one warp per block, 8-16 16-byte chunks per thread), and
+  1w-64B      the same with 64 bytes per thread: whether the footprint alone costs
   gather      torch.index_select of the addressed slots into a buffer (random reads,
               contiguous writes)
 Together they say how much of the gap to the copy is the pattern itself (random
@@ -71,7 +74,8 @@ def main() -> int:
     copy_Bps = bench.copy_bandwidth(device, max(1 << 30, 16 * cache), timer)
     print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {triton.__version__}")
-    print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>14} {'slot-copy':>20} {'seq-copy':>14} {'gather':>14}")
+    print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>14} {'slot-copy':>20} {'seq-copy':>14} {'1w-256B':>14} "
+          f"{'1w-64B':>14} {'gather':>14}")
     gen = torch.Generator().manual_seed(0)
 
     def cell(nbytes, secs):
@@ -104,6 +108,14 @@ def main() -> int:
                     return best
 
                 rand_s, rand_block = best_copy(lambda j: sets[j].slot_idx)
+
+                def one_warp_copy(bytes_per_thread):
+                    block = 32 * bytes_per_thread // pool_dtype.itemsize
+                    grid = (slot_elems // block, T)
+                    return timer.time(lambda i: slot_copy[grid](sets[i % k].pool, sets[i % k].slot_idx, slot_elems,
+                                                                 BLOCK=block, num_warps=1), warmup_calls=min(k, 8))
+
+                warp256_s, warp64_s = one_warp_copy(256), one_warp_copy(64)
                 seq_s, _ = best_copy(lambda j: in_order)
                 gathered = torch.empty((T, shape.H, shape.P, shape.N), dtype=pool_dtype, device=device)
                 gather_s = timer.time(lambda i: torch.index_select(sets[i % k].pool, 0, sets[i % k].slot_idx,
@@ -111,6 +123,7 @@ def main() -> int:
                 print(f"{str(shape):>14} {name:>5} {T:>4} "
                       f"{cell(bench.step_bytes(shape, T, pool_dtype, torch.bfloat16), step_s):>14} "
                       f"{cell(state_bytes, rand_s) + f' b{rand_block}':>20} {cell(state_bytes, seq_s):>14} "
+                      f"{cell(state_bytes, warp256_s):>14} {cell(state_bytes, warp64_s):>14} "
                       f"{cell(state_bytes, gather_s):>14}", flush=True)
     return 0
 
