@@ -514,7 +514,8 @@ def rotating_sets(make, rotate_bytes: int, max_sets: int = 64) -> list:
 
 def make_input_sets(shape: Shape, T: int, pool_dtype, input_dtype, device, gen: torch.Generator,
                     rotate_bytes: int) -> list[StepInputs]:
-    """Decode-step input sets (slots drawn from a pool of 2T) for rotating_sets."""
+    """Decode-step input sets (slots drawn from a pool of 2T) that together span at least
+    rotate_bytes (rotating_sets)."""
     return rotating_sets(lambda: make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen), rotate_bytes)
 
 
