@@ -19,6 +19,8 @@
 #               step, its state in L2, every slot padded, a one-element fill), in t1_floor.log
 #   pattern     tools/cuda_pattern_ceiling.py: the step against the simplest kernel of its access
 #               pattern (addressed slots read and written back in place, Triton), in pattern.log
+#   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
+#               + per-row inputs, + B / C, full), each part's share of the copy, in parts.log
 #   build-base, tune-base
 #               the same two in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
@@ -36,7 +38,8 @@
 #
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
-# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / PATTERN_ARGS (extra arguments),
+# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / PATTERN_ARGS /
+# PARTS_ARGS (extra arguments),
 # FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
 #
@@ -175,6 +178,9 @@ for stage in "${STAGES[@]}"; do
       ;;
     pattern)
       run_stage pattern "$OUT/pattern.log" "${TO[@]}" "$PY" tools/cuda_pattern_ceiling.py ${PATTERN_ARGS:-}
+      ;;
+    parts)
+      run_stage parts "$OUT/parts.log" "${TO[@]}" "$PY" tools/cuda_step_parts.py ${PARTS_ARGS:-}
       ;;
     tune-base)
       pushd "${BASE_TREE:?the tree build-base built}" >/dev/null &&
