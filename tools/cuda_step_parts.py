@@ -145,6 +145,9 @@ def main() -> int:
         print("cuda_step_parts: needs Triton", file=sys.stderr)
         return 2
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpret and not args.check_only:
+        print("cuda_step_parts: TRITON_INTERPRET=1 runs --check-only only (timings need a GPU)", file=sys.stderr)
+        return 2
     if not interpret and not torch.cuda.is_available():
         print("cuda_step_parts: needs a CUDA device (or TRITON_INTERPRET=1 with --check-only)", file=sys.stderr)
         return 2
