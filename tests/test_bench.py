@@ -30,6 +30,18 @@ def test_rotating_sets_span_the_rotation_bytes(rotate, max_sets, want):
     assert len(sets) == want and sets == made  # the probe first, each set made once
 
 
+def test_input_set_sweep_covers_every_case_in_order():
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device("cpu")
+    cases = list(bench.input_set_sweep(["4,8,16,1"], ["fp32", "bf16"], [2, 3], device, gen))
+    assert [(str(shape), name, pool_dtype, T) for shape, name, pool_dtype, T, _ in cases] == [
+        ("(4,8,16,1)", "fp32", torch.float32, 2), ("(4,8,16,1)", "fp32", torch.float32, 3),
+        ("(4,8,16,1)", "bf16", torch.bfloat16, 2), ("(4,8,16,1)", "bf16", torch.bfloat16, 3)]
+    for shape, _, pool_dtype, T, sets in cases:
+        assert len(sets) == min(64, -(-bench.rotation_bytes(device) // sets[0].nbytes()))
+        assert all(s.pool.dtype == pool_dtype and s.pool.shape == (2 * T, 4, 8, 16) for s in sets)
+
+
 def test_step_bytes_counts_each_addressed_state_twice():
     shape = bench.Shape.parse("4,8,16,2")
     f32 = bench.step_bytes(shape, 3, torch.float32, torch.bfloat16)

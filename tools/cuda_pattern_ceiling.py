@@ -70,8 +70,7 @@ def main() -> int:
         return 2
     device = torch.device("cuda")
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
-    cache = bench.last_level_cache_bytes(device)
-    copy_Bps = bench.copy_bandwidth(device, max(1 << 30, 16 * cache), timer)
+    copy_Bps = bench.copy_bandwidth(device, bench.copy_ceiling_bytes(device), timer)
     print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {triton.__version__}")
     print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>14} {'slot-copy':>20} {'seq-copy':>14} {'1w-256B':>14} "
@@ -81,50 +80,35 @@ def main() -> int:
     def cell(nbytes, secs):
         return f"{nbytes / secs / 1e9:6.0f} {100 * nbytes / secs / copy_Bps:5.1f}%"
 
-    for text in args.shapes:
-        shape = bench.Shape.parse(text)
+    for shape, name, pool_dtype, T, sets in bench.input_set_sweep(args.shapes, args.pool_dtypes, args.T, device, gen):
         slot_elems = shape.H * shape.P * shape.N
-        for name in args.pool_dtypes:
-            pool_dtype = bench.DTYPES[name]
-            for T in args.T:
-                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
-                k = len(sets)
-                step_s = timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out),
-                                    warmup_calls=min(k, 8))
-                state_bytes = 2 * T * slot_elems * pool_dtype.itemsize
-                in_order = torch.arange(T, device=device, dtype=sets[0].slot_idx.dtype)
+        k = len(sets)
+        step_s = bench.step_time(sets, timer, min(k, 8))
+        state_bytes = 2 * T * slot_elems * pool_dtype.itemsize
+        in_order = torch.arange(T, device=device, dtype=sets[0].slot_idx.dtype)
 
-                def best_copy(slots_of):
-                    best = None
-                    for block in BLOCKS:
-                        if slot_elems % block:
-                            continue
-                        grid = (slot_elems // block, T)
-                        secs = timer.time(lambda i: slot_copy[grid](sets[i % k].pool, slots_of(i % k), slot_elems,
-                                                                     BLOCK=block, num_warps=4),
-                                          warmup_calls=min(k, 8))
-                        if best is None or secs < best[0]:
-                            best = (secs, block)
-                    return best
+        def copy_s(slots_of, block, warps):
+            grid = (slot_elems // block, T)
+            return timer.time(lambda i: slot_copy[grid](sets[i % k].pool, slots_of(i % k), slot_elems, BLOCK=block,
+                                                         num_warps=warps), warmup_calls=min(k, 8))
 
-                rand_s, rand_block = best_copy(lambda j: sets[j].slot_idx)
+        def best_copy(slots_of):  # (seconds, BLOCK) of the fastest four-warp BLOCK
+            return min((copy_s(slots_of, block, 4), block) for block in BLOCKS if slot_elems % block == 0)
 
-                def one_warp_copy(bytes_per_thread):
-                    block = 32 * bytes_per_thread // pool_dtype.itemsize
-                    grid = (slot_elems // block, T)
-                    return timer.time(lambda i: slot_copy[grid](sets[i % k].pool, sets[i % k].slot_idx, slot_elems,
-                                                                 BLOCK=block, num_warps=1), warmup_calls=min(k, 8))
+        def one_warp_copy(bytes_per_thread):
+            return copy_s(lambda j: sets[j].slot_idx, 32 * bytes_per_thread // pool_dtype.itemsize, 1)
 
-                warp256_s, warp64_s = one_warp_copy(256), one_warp_copy(64)
-                seq_s, _ = best_copy(lambda j: in_order)
-                gathered = torch.empty((T, shape.H, shape.P, shape.N), dtype=pool_dtype, device=device)
-                gather_s = timer.time(lambda i: torch.index_select(sets[i % k].pool, 0, sets[i % k].slot_idx,
-                                                                   out=gathered), warmup_calls=min(k, 8))
-                print(f"{str(shape):>14} {name:>5} {T:>4} "
-                      f"{cell(bench.step_bytes(shape, T, pool_dtype, torch.bfloat16), step_s):>14} "
-                      f"{cell(state_bytes, rand_s) + f' b{rand_block}':>20} {cell(state_bytes, seq_s):>14} "
-                      f"{cell(state_bytes, warp256_s):>14} {cell(state_bytes, warp64_s):>14} "
-                      f"{cell(state_bytes, gather_s):>14}", flush=True)
+        rand_s, rand_block = best_copy(lambda j: sets[j].slot_idx)
+        warp256_s, warp64_s = one_warp_copy(256), one_warp_copy(64)
+        seq_s, _ = best_copy(lambda j: in_order)
+        gathered = torch.empty((T, shape.H, shape.P, shape.N), dtype=pool_dtype, device=device)
+        gather_s = timer.time(lambda i: torch.index_select(sets[i % k].pool, 0, sets[i % k].slot_idx,
+                                                           out=gathered), warmup_calls=min(k, 8))
+        print(f"{str(shape):>14} {name:>5} {T:>4} "
+              f"{cell(bench.step_bytes(shape, T, pool_dtype, torch.bfloat16), step_s):>14} "
+              f"{cell(state_bytes, rand_s) + f' b{rand_block}':>20} {cell(state_bytes, seq_s):>14} "
+              f"{cell(state_bytes, warp256_s):>14} {cell(state_bytes, warp64_s):>14} "
+              f"{cell(state_bytes, gather_s):>14}", flush=True)
     return 0
 
 

@@ -165,32 +165,23 @@ def main() -> int:
                         print(f"{shape} {name} T={T} warps={warps}: worst relative error {err:.2g}")
         return 0
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
-    cache = bench.last_level_cache_bytes(device)
-    copy_Bps = bench.copy_bandwidth(device, max(1 << 30, 16 * cache), timer)
+    copy_Bps = bench.copy_bandwidth(device, bench.copy_ceiling_bytes(device), timer)
     print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {triton.__version__}")
     columns = ("step",) + PARTS + ("full-4w",)
     print(f"{'shape':>14} {'pool':>5} {'T':>4} " + " ".join(f"{c:>8}" for c in columns) + "  check")
-    for text in args.shapes:
-        shape = bench.Shape.parse(text)
-        for name in args.pool_dtypes:
-            pool_dtype = bench.DTYPES[name]
-            for T in args.T:
-                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
-                k = len(sets)
-                step_bytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
-                state_bytes = 2 * T * shape.H * shape.P * shape.N * pool_dtype.itemsize
-                rows = rows_per_program(pool_dtype, shape.N, shape.P)
-                err = check(sets[0], rows, 1)
-                cells = []
-                secs = timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out),
-                                  warmup_calls=min(k, 8))
-                cells.append(step_bytes / secs)
-                for part, warps in [(p, 1) for p in range(len(PARTS))] + [(3, 4)]:
-                    secs = timer.time(lambda i: launch(sets[i % k], part, rows, warps), warmup_calls=min(k, 8))
-                    cells.append((state_bytes if part == 0 else step_bytes) / secs)
-                print(f"{str(shape):>14} {name:>5} {T:>4} " +
-                      " ".join(f"{100 * c / copy_Bps:7.1f}%" for c in cells) + f"  {err:.1g}", flush=True)
+    for shape, name, pool_dtype, T, sets in bench.input_set_sweep(args.shapes, args.pool_dtypes, args.T, device, gen):
+        k = len(sets)
+        step_bytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
+        state_bytes = 2 * T * shape.H * shape.P * shape.N * pool_dtype.itemsize
+        rows = rows_per_program(pool_dtype, shape.N, shape.P)
+        err = check(sets[0], rows, 1)
+        cells = [step_bytes / bench.step_time(sets, timer, min(k, 8))]
+        for part, warps in [(p, 1) for p in range(len(PARTS))] + [(3, 4)]:
+            secs = timer.time(lambda i: launch(sets[i % k], part, rows, warps), warmup_calls=min(k, 8))
+            cells.append((state_bytes if part == 0 else step_bytes) / secs)
+        print(f"{str(shape):>14} {name:>5} {T:>4} " +
+              " ".join(f"{100 * c / copy_Bps:7.1f}%" for c in cells) + f"  {err:.1g}", flush=True)
     return 0
 
 

@@ -45,31 +45,25 @@ def main() -> int:
         return 2
     device = torch.device("cuda")
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
-    cache = bench.last_level_cache_bytes(device)
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | us per step under graph replay")
     print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>7} {'l2':>7} {'pad':>7} {'fill':>7}")
     gen = torch.Generator().manual_seed(0)
     tiny = torch.zeros(1, device=device)
-    for text in args.shapes:
-        shape = bench.Shape.parse(text)
-        for name in args.pool_dtypes:
-            pool_dtype = bench.DTYPES[name]
-            for T in args.T:
-                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
-                pads = [torch.full_like(s.slot_idx, bench.PAD_SLOT_ID) for s in sets]
+    for shape, name, pool_dtype, T, sets in bench.input_set_sweep(args.shapes, args.pool_dtypes, args.T, device, gen):
+        pads = [torch.full_like(s.slot_idx, bench.PAD_SLOT_ID) for s in sets]
 
-                def step_pad(j, sets=sets, pads=pads):
-                    s = sets[j % len(sets)]
-                    args_ = list(s.op_args())
-                    args_[10] = pads[j % len(sets)]
-                    torch.ops.ssd.decode_step_out(*args_, s.out)
+        def step_pad(j, sets=sets, pads=pads):
+            s = sets[j % len(sets)]
+            args_ = list(s.op_args())
+            args_[10] = pads[j % len(sets)]
+            torch.ops.ssd.decode_step_out(*args_, s.out)
 
-                times = [bench._graph_time(sets, timer, device), bench._graph_time(sets[:1], timer, device),
-                         bench.graph_time(step_pad, len(sets), timer, device),
-                         bench.graph_time(lambda j: tiny.fill_(j), 1, timer, device)]
-                print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{t * 1e6:7.2f}" for t in times), flush=True)
-                del sets, pads
-                torch.cuda.empty_cache()
+        times = [bench._graph_time(sets, timer, device), bench._graph_time(sets[:1], timer, device),
+                 bench.graph_time(step_pad, len(sets), timer, device),
+                 bench.graph_time(lambda j: tiny.fill_(j), 1, timer, device)]
+        print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{t * 1e6:7.2f}" for t in times), flush=True)
+        del sets, pads
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -86,51 +86,44 @@ def main() -> int:
     args = ap.parse_args()
     device = torch.device("cuda")
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
-    cache = bench.last_level_cache_bytes(device)
-    copy_Bps = bench.copy_bandwidth(device, max(1 << 30, 16 * cache), timer)
+    copy_Bps = bench.copy_bandwidth(device, bench.copy_ceiling_bytes(device), timer)
     print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__}")
     configs = [parse_config(c) for c in args.configs]
     print(f"{'shape':>14} {'pool':>5} {'T':>4} " + " ".join(f"{c:>22}" for c in args.configs))
     gen = torch.Generator().manual_seed(0)
-    for text in args.shapes:
-        shape = bench.Shape.parse(text)
-        for name in args.pool_dtypes:
-            pool_dtype = bench.DTYPES[name]
-            for T in args.T:
-                sets = bench.make_input_sets(shape, T, pool_dtype, torch.bfloat16, device, gen, 4 * cache)
-                probe = sets[0]
-                nbytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
-                k = len(sets)
-                cells = []
-                reference = None
-                mismatch = []
-                pool0 = probe.pool.clone()  # the timing runs below advance probe.pool: restore it per check
-                for text_cfg, env in zip(args.configs, configs):
-                    for key in KNOBS:
-                        os.environ.pop(key, None)
-                    os.environ.update(env)
-                    # Same inputs for every config: y and the written pool must match bit for bit.
-                    probe.pool.copy_(pool0)
-                    torch.ops.ssd.decode_step_out(*probe.op_args(), probe.out)
-                    got = (probe.out.clone(), probe.pool.clone())
-                    probe.pool.copy_(pool0)
-                    if reference is None:
-                        reference = got
-                    elif not (torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])):
-                        mismatch.append(text_cfg)
-                    secs = timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out),
-                                      warmup_calls=min(k, 8))
-                    cell = f"{secs * 1e6:7.2f}us {100 * nbytes / secs / copy_Bps:5.1f}%"
-                    if T <= 16:
-                        g = bench._graph_time(sets, timer, device)
-                        cell += f" g{g * 1e6:.2f}"
-                    cells.append(cell)
-                for key in KNOBS:
-                    os.environ.pop(key, None)
-                cells.append("same bits" if not mismatch else "DIFFERS: " + " ".join(mismatch))
-                print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{c:>22}" for c in cells), flush=True)
-                del sets, probe
-                torch.cuda.empty_cache()
+    for shape, name, pool_dtype, T, sets in bench.input_set_sweep(args.shapes, args.pool_dtypes, args.T, device, gen):
+        probe = sets[0]
+        nbytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
+        k = len(sets)
+        cells = []
+        reference = None
+        mismatch = []
+        pool0 = probe.pool.clone()  # the timing runs below advance probe.pool: restore it per check
+        for text_cfg, env in zip(args.configs, configs):
+            for key in KNOBS:
+                os.environ.pop(key, None)
+            os.environ.update(env)
+            # Same inputs for every config: y and the written pool must match bit for bit.
+            probe.pool.copy_(pool0)
+            torch.ops.ssd.decode_step_out(*probe.op_args(), probe.out)
+            got = (probe.out.clone(), probe.pool.clone())
+            probe.pool.copy_(pool0)
+            if reference is None:
+                reference = got
+            elif not (torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])):
+                mismatch.append(text_cfg)
+            secs = bench.step_time(sets, timer, min(k, 8))
+            cell = f"{secs * 1e6:7.2f}us {100 * nbytes / secs / copy_Bps:5.1f}%"
+            if T <= 16:
+                g = bench._graph_time(sets, timer, device)
+                cell += f" g{g * 1e6:.2f}"
+            cells.append(cell)
+        for key in KNOBS:
+            os.environ.pop(key, None)
+        cells.append("same bits" if not mismatch else "DIFFERS: " + " ".join(mismatch))
+        print(f"{str(shape):>14} {name:>5} {T:>4} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+        del sets, probe
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -493,6 +493,12 @@ def graph_time(step, n_sets: int, timer: Timer, device: torch.device, min_steps:
     return per_replay / steps
 
 
+def step_time(sets, timer: Timer, warmup_calls: int) -> float:
+    """Seconds per decode step, plain launches cycling over the input sets."""
+    k = len(sets)
+    return timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out), warmup_calls)
+
+
 def _graph_time(sets, timer: Timer, device: torch.device) -> float:
     """Seconds per decode step, several steps (cycling over the input sets) replayed in
     one CUDA graph."""
@@ -519,19 +525,47 @@ def make_input_sets(shape: Shape, T: int, pool_dtype, input_dtype, device, gen: 
     return rotating_sets(lambda: make_inputs(shape, T, 2 * T, pool_dtype, input_dtype, device, gen), rotate_bytes)
 
 
+def copy_ceiling_bytes(device: torch.device) -> int:
+    """Bytes of the same-run copy that sets the ceiling: large enough that the last-level
+    cache does not help (1 GiB or 16 L2s on CUDA; 256 MB or 4 caches elsewhere)."""
+    cache = last_level_cache_bytes(device)
+    return max(1 << 30, 16 * cache) if device.type == "cuda" else max(256 << 20, 4 * cache)
+
+
+def rotation_bytes(device: torch.device) -> int:
+    """Bytes the rotating input sets span together: four last-level caches (at least 256 MB
+    off CUDA)."""
+    cache = last_level_cache_bytes(device)
+    return 4 * cache if device.type == "cuda" else max(256 << 20, 4 * cache)
+
+
+def input_set_sweep(shapes, pool_dtype_names, Ts, device: torch.device, gen: torch.Generator,
+                    input_dtype: torch.dtype = torch.bfloat16):
+    """The developer tools' sweep: (shape, pool dtype name, pool dtype, T, input sets) for
+    every case, the sets from make_input_sets over rotation_bytes(device). The sets are
+    not kept here, so a caller that drops them frees them."""
+    rotate_bytes = rotation_bytes(device)
+    for text in shapes:
+        shape = Shape.parse(text) if isinstance(text, str) else text
+        for name in pool_dtype_names:
+            pool_dtype = DTYPES[name]
+            for T in Ts:
+                yield shape, name, pool_dtype, T, make_input_sets(shape, T, pool_dtype, input_dtype, device, gen,
+                                                                  rotate_bytes)
+
+
 def bench_one(shape: Shape, T: int, pool_dtype, input_dtype, device, timer: Timer, cache_bytes: int,
               with_compile: bool, progress: Progress, seed: int) -> Row:
     gen = torch.Generator().manual_seed(seed)
     sets = make_input_sets(shape, T, pool_dtype, input_dtype, device, gen, cache_bytes)
-    n_sets = len(sets)
-    row = Row(str(shape), T, SHORT_NAME[pool_dtype], SHORT_NAME[input_dtype],
-              step_bytes(shape, T, pool_dtype, input_dtype), n_sets)
-    label = f"{shape} T={T} pool {SHORT_NAME[pool_dtype]}"
     k = len(sets)
+    row = Row(str(shape), T, SHORT_NAME[pool_dtype], SHORT_NAME[input_dtype],
+              step_bytes(shape, T, pool_dtype, input_dtype), k)
+    label = f"{shape} T={T} pool {SHORT_NAME[pool_dtype]}"
     warm = max(2, min(k, 16))
 
     progress.update(f"{label}: op")
-    row.op_s = timer.time(lambda i: torch.ops.ssd.decode_step_out(*sets[i % k].op_args(), sets[i % k].out), warm)
+    row.op_s = step_time(sets, timer, warm)
 
     if device.type == "cuda":
         progress.update(f"{label}: op in a CUDA graph")
@@ -764,9 +798,8 @@ def main(argv=None) -> int:
         return 0
 
     timer = Timer(device, budget_s=budget, min_samples=5, max_samples=200)
-    cache = last_level_cache_bytes(device)
-    copy_bytes = max(256 << 20, 4 * cache) if device.type != "cuda" else max(1 << 30, 16 * cache)
-    rotate_bytes = max(256 << 20, 4 * cache) if device.type != "cuda" else 4 * cache
+    copy_bytes = copy_ceiling_bytes(device)
+    rotate_bytes = rotation_bytes(device)
     progress.update(f"copy ceiling ({copy_bytes >> 20} MB copy)")
     copy_Bps = copy_bandwidth(device, copy_bytes, timer)
 
