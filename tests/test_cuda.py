@@ -271,6 +271,9 @@ KERNEL_CHOICES = [
     {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_PREFETCH": "1"},
     {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_PREFETCH": "0"},
     {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_WARPS": "1", "TORCH_SSD_CUDA_PDL": "0"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_LEAN_ORDER": "1"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_WARPS": "2", "TORCH_SSD_CUDA_LEAN_ORDER": "1"},
+    {"TORCH_SSD_CUDA_LEAN_ORDER": "0"},
 ]
 
 
@@ -292,7 +295,8 @@ def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, mo
     first = None
     for env in KERNEL_CHOICES:
         for key in ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_LEAN_ROWS",
-                    "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PDL", "TORCH_SSD_CUDA_PREFETCH"):
+                    "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PDL", "TORCH_SSD_CUDA_PREFETCH",
+                    "TORCH_SSD_CUDA_LEAN_ORDER"):
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)

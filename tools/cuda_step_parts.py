@@ -16,6 +16,9 @@ step's byte count, bench.step_bytes, except rows, which counts the state's only)
   full        the whole step in float32 (softplus, decay, update, y with D and the
               z gate), the state rounded once to the pool's type on the store
   full-4w     the full step in four-warp programs (64 bytes of state per thread)
+  rows-ti, full-ti
+              rows and full with a head's tiles side by side in the grid ((tiles, H, T)
+              instead of (H, T, tiles)): consecutive programs on consecutive 8 KB of a slot
 A column's drop against the one before it is what that part costs in this form. The full
 Triton step is checked against the op on the first input set (close, not bit-equal: its
 sums run in another order). Slots are never padded here. Needs a CUDA device and Triton
@@ -52,11 +55,18 @@ if triton is not None:
                   H, P, heads_per_group,
                   sx_t, sx_h, sx_p, sdt_t, sdt_h, sdt_p, sz_t, sz_h, sz_p, sA_h, sD_h, sdb_h,
                   sB_t, sB_g, sC_t, sC_g, sy_t, sy_h, sy_p,
-                  ROWS: tl.constexpr, N: tl.constexpr, PART: tl.constexpr):
-        """PART 0: rows; 1: +inputs; 2: +B/C; 3: full (see the module docstring)."""
-        h = tl.program_id(0)
-        t = tl.program_id(1)
-        rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+                  ROWS: tl.constexpr, N: tl.constexpr, PART: tl.constexpr, TILES_INNER: tl.constexpr):
+        """PART 0: rows; 1: +inputs; 2: +B/C; 3: full (see the module docstring).
+        TILES_INNER: grid (tiles, H, T) instead of (H, T, tiles)."""
+        if TILES_INNER:
+            h = tl.program_id(1)
+            t = tl.program_id(2)
+            tile = tl.program_id(0)
+        else:
+            h = tl.program_id(0)
+            t = tl.program_id(1)
+            tile = tl.program_id(2)
+        rows = tile * ROWS + tl.arange(0, ROWS)
         ns = tl.arange(0, N)
         slot = tl.load(slots + t).to(tl.int64)
         offs = ((slot * H + h) * P + rows[:, None]) * N + ns[None, :]
@@ -91,19 +101,19 @@ if triton is not None:
                     tl.store(y_at, yv.to(y.dtype.element_ty))
 
 
-def launch(inp: bench.StepInputs, part: int, rows: int, warps: int) -> None:
+def launch(inp: bench.StepInputs, part: int, rows: int, warps: int, tiles_inner: bool = False) -> None:
     """One part of the step on one input set (the op's operands as the benchmark holds them)."""
     pool, x, dt, z, B, C, y = inp.pool, inp.x, inp.dt, inp.z, inp.B, inp.C, inp.out
     S, H, P, N = pool.shape
     G = B.shape[1]
     T = x.shape[0]
-    grid = (H, T, P // rows)
+    grid = (P // rows, H, T) if tiles_inner else (H, T, P // rows)
     step_part[grid](pool, inp.slot_idx, x, dt, z, inp.A, inp.D, inp.dt_bias, B, C, y,
                     H, P, H // G,
                     x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), dt.stride(2),
                     z.stride(0), z.stride(1), z.stride(2), inp.A.stride(0), inp.D.stride(0), inp.dt_bias.stride(0),
                     B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), y.stride(2),
-                    ROWS=rows, N=N, PART=part, num_warps=warps)
+                    ROWS=rows, N=N, PART=part, TILES_INNER=tiles_inner, num_warps=warps)
 
 
 def rows_per_program(pool_dtype: torch.dtype, N: int, P: int) -> int:
@@ -114,14 +124,14 @@ def rows_per_program(pool_dtype: torch.dtype, N: int, P: int) -> int:
     return rows
 
 
-def check(inp: bench.StepInputs, rows: int, warps: int) -> float:
+def check(inp: bench.StepInputs, rows: int, warps: int, tiles_inner: bool = False) -> float:
     """The full Triton step against the op on one input set; returns the worst relative
     error of y and of the written state (raises when above 2 % of the values' scale)."""
     pool0 = inp.pool.clone()
     torch.ops.ssd.decode_step_out(*inp.op_args(), inp.out)
     want_y, want_pool = inp.out.clone(), inp.pool.clone()
     inp.pool.copy_(pool0)
-    launch(inp, 3, rows, warps)
+    launch(inp, 3, rows, warps, tiles_inner)
     got_y, got_pool = inp.out.clone(), inp.pool.clone()
     inp.pool.copy_(pool0)
     worst = 0.0
@@ -160,25 +170,27 @@ def main() -> int:
                 pool_dtype = bench.DTYPES[name]
                 for T in args.T:
                     inp = bench.make_inputs(shape, T, 2 * T, pool_dtype, torch.bfloat16, device, gen)
-                    for warps in (1, 4):
-                        err = check(inp, rows_per_program(pool_dtype, shape.N, shape.P), warps)
-                        print(f"{shape} {name} T={T} warps={warps}: worst relative error {err:.2g}")
+                    for warps, inner in ((1, False), (4, False), (1, True)):
+                        err = check(inp, rows_per_program(pool_dtype, shape.N, shape.P), warps, inner)
+                        print(f"{shape} {name} T={T} warps={warps} tiles_inner={inner}: "
+                              f"worst relative error {err:.2g}")
         return 0
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
     copy_Bps = bench.copy_bandwidth(device, bench.copy_ceiling_bytes(device), timer)
     print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {triton.__version__}")
-    columns = ("step",) + PARTS + ("full-4w",)
+    columns = ("step",) + PARTS + ("full-4w", "rows-ti", "full-ti")
     print(f"{'shape':>14} {'pool':>5} {'T':>4} " + " ".join(f"{c:>8}" for c in columns) + "  check")
     for shape, name, pool_dtype, T, sets in bench.input_set_sweep(args.shapes, args.pool_dtypes, args.T, device, gen):
         k = len(sets)
         step_bytes = bench.step_bytes(shape, T, pool_dtype, torch.bfloat16)
         state_bytes = 2 * T * shape.H * shape.P * shape.N * pool_dtype.itemsize
         rows = rows_per_program(pool_dtype, shape.N, shape.P)
-        err = check(sets[0], rows, 1)
+        err = max(check(sets[0], rows, 1), check(sets[0], rows, 1, True))
         cells = [step_bytes / bench.step_time(sets, timer, min(k, 8))]
-        for part, warps in [(p, 1) for p in range(len(PARTS))] + [(3, 4)]:
-            secs = timer.time(lambda i: launch(sets[i % k], part, rows, warps), warmup_calls=min(k, 8))
+        for part, warps, inner in [(p, 1, False) for p in range(len(PARTS))] + [(3, 4, False), (0, 1, True),
+                                                                                (3, 1, True)]:
+            secs = timer.time(lambda i: launch(sets[i % k], part, rows, warps, inner), warmup_calls=min(k, 8))
             cells.append((state_bytes if part == 0 else step_bytes) / secs)
         print(f"{str(shape):>14} {name:>5} {T:>4} " +
               " ".join(f"{100 * c / copy_Bps:7.1f}%" for c in cells) + f"  {err:.1g}", flush=True)

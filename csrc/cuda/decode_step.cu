@@ -435,6 +435,7 @@ struct LeanLaunch {
   int rows_per_pass = 0;  // rows the block covers at once: warps * rows_per_warp
   uint32_t heads_per_group = 1;
   bool prefetch = false;  // warm L2 with the state rows before the wait (pick_prefetch)
+  bool tiles_inner = false;  // grid (tiles, H, T) instead of (H, T, tiles) (pick_lean_order)
 };
 
 // x, z and dt of (t, h, p) in the inputs' type InT, the rest as decode_step_kernel
@@ -486,13 +487,15 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   constexpr bool kHoldBC = lean_holds_bc<PoolT, kRows, KB>() && !kSharedBC;
   // KB: the chunks per lane of the row map (host-checked), a compile-time count.
   const RowMap& m = L.map;
-  const uint32_t h = blockIdx.x, t = blockIdx.y;
+  const uint32_t h = L.tiles_inner ? blockIdx.y : blockIdx.x;
+  const uint32_t t = L.tiles_inner ? blockIdx.z : blockIdx.y;
+  const uint32_t tile = L.tiles_inner ? blockIdx.x : blockIdx.z;
   const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
   const int li = lane & (m.lanes - 1);
   const int rpw_log2 = 5 - m.lanes_log2;  // rows per warp and pass: 32 / lanes
   const int warp_rows = kRows << rpw_log2;
-  const int64_t warp_base = static_cast<int64_t>(blockIdx.z) * (kRows * L.rows_per_pass) +
+  const int64_t warp_base = static_cast<int64_t>(tile) * (kRows * L.rows_per_pass) +
                             (static_cast<int64_t>(threadIdx.x >> 5) << rpw_log2);
   auto p_of = [&](int q) {  // row q of this warp
     return warp_base + static_cast<int64_t>(q >> rpw_log2) * L.rows_per_pass + (q & ((1 << rpw_log2) - 1));
@@ -790,6 +793,10 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The step's rows (T * H * P) per multiprocessor: the load the lean launch choices
+// below are picked from.
+int64_t lean_rows_per_sm(const Dims& d) { return d.T * d.H * d.P / num_sms(); }
+
 // Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1, 2 or 4 forces it
 // (fewer where a warp's rows would outnumber its lanes, 2 at most with 8 chunks per
 // lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md, "2026-12-01,
@@ -805,8 +812,7 @@ int pick_lean_rows(const Dims& d, int elem_size) {
   const int forced = env ? std::atoi(env) : 0;
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   if (elem_size == 4) return 2;
-  const int64_t rows_per_sm = d.T * d.H * d.P / num_sms();
-  return rows_per_sm > 1200 ? 4 : 2;
+  return lean_rows_per_sm(d) > 1200 ? 4 : 2;
 }
 
 // Warps per block of the lean kernel (TORCH_SSD_CUDA_WARPS=1..8 overrides): one, but
@@ -820,8 +826,22 @@ int pick_lean_warps(const Dims& d, int elem_size) {
   const char* env = std::getenv("TORCH_SSD_CUDA_WARPS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
-  const int64_t rows_per_sm = d.T * d.H * d.P / num_sms();
-  return elem_size == 4 && rows_per_sm > 2000 ? 2 : 1;
+  return elem_size == 4 && lean_rows_per_sm(d) > 2000 ? 2 : 1;
+}
+
+// Block order of the lean kernel: whether a head's tiles are side by side in the grid
+// ((tiles, H, T): consecutive blocks on consecutive bytes of a slot) rather than the
+// heads ((H, T, tiles)). Tiles side by side above 1200 rows per multiprocessor (T >= 64
+// on the benchmark's shapes), where an H200 measured them -0.1..+2.3 points of copy
+// bandwidth against the heads' order (14 of 16 A/B pairs ahead, two level); at T = 16
+// they were 1-4 points behind on three of four cases
+// (BENCHMARKS.md, "2026-12-01, seventh session"). TORCH_SSD_CUDA_LEAN_ORDER=1 / =0
+// forces either; H above 65535 (the grid's y limit) keeps the heads' order.
+bool pick_lean_order(const Dims& d) {
+  if (d.H > 65535) return false;
+  const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ORDER");
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return lean_rows_per_sm(d) > 1200;
 }
 
 // Whether the lean kernel warms L2 with its state rows before waiting on the
@@ -848,7 +868,10 @@ void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, c
   L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
   const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
   L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
-  const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(d.T), static_cast<unsigned>(tiles));
+  L.tiles_inner = pick_lean_order(d);
+  const dim3 grid = L.tiles_inner
+                        ? dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(d.H), static_cast<unsigned>(d.T))
+                        : dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(d.T), static_cast<unsigned>(tiles));
   const size_t smem = kSharedBC ? 2 * static_cast<size_t>(d.N) * sizeof(float) : 0;
   if constexpr (kSharedBC) allow_smem(kernel, smem);
   launch_kernel(kernel, grid, dim3(W * kWarp), smem, stream, use_pdl(), s, L);
