@@ -939,6 +939,8 @@ LEAN_MULTI_CHOICES = (
     {"TORCH_SSD_CUDA_MULTI_TILES": "1", "TORCH_SSD_CUDA_PDL": "0", "TORCH_SSD_CUDA_MULTI_BC": "staged"},
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_BC": "registers"},
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_BC": "widened"},
+    {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_ORDER": "1"},
+    {"TORCH_SSD_CUDA_MULTI_ORDER": "1", "TORCH_SSD_CUDA_MULTI_BC": "staged"},
 )
 
 
@@ -985,7 +987,7 @@ def test_lean_multi_kernel_gives_the_block_kernels_bits(pool_dtype, dtype, n, K,
     first = None
     for env in LEAN_MULTI_CHOICES:
         for key in ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_PDL",
-                    "TORCH_SSD_CUDA_MULTI_BC"):
+                    "TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_ORDER"):
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)

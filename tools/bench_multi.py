@@ -134,34 +134,37 @@ def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, 
     return row
 
 
-def print_rows(rows, copy_Bps, inplace_Bps, out=None):
+def print_header(copy_Bps, inplace_Bps, out=None):
     out = sys.stdout if out is None else out  # the stdout of the call, not of the import
     print(f"copy bandwidth (same run): {copy_Bps / 1e9:.1f} GB/s", file=out)
     print(f"in-place bandwidth (same run): {inplace_Bps / 1e9:.1f} GB/s (%floor is against the copy; on a CPU "
           f"the copy also reads its destination, so the in-place figure is the stricter floor)", file=out)
-    head = (f"{'shape':>16} {'pool':>5} {'K':>2} {'T':>4} {'multi us':>10} {'GB/s':>7} {'%floor':>7} "
-            f"{'graph us':>9} {'%floor':>7} {'K singles us':>13} {'speedup':>8} {'ref ms':>8} {'comp ms':>8} "
-            f"{'ref/multi':>9}")
-    print(head, file=out)
-    for r in rows:
-        floor_s = r["bytes"] / copy_Bps
+    print(f"{'shape':>16} {'pool':>5} {'K':>2} {'T':>4} {'multi us':>10} {'GB/s':>7} {'%floor':>7} "
+          f"{'graph us':>9} {'%floor':>7} {'K singles us':>13} {'speedup':>8} {'ref ms':>8} {'comp ms':>8} "
+          f"{'ref/multi':>9}", file=out, flush=True)
 
-        def us(key):
-            return f"{r[key] * 1e6:.1f}" if key in r else "-"
 
-        def pct(key):
-            return f"{100 * floor_s / r[key]:.1f}" if key in r else "-"
+def print_row(r, copy_Bps, out=None):
+    """One row of the table, as soon as it is measured (a run cut short keeps its rows)."""
+    out = sys.stdout if out is None else out
+    floor_s = r["bytes"] / copy_Bps
 
-        def ms(key):
-            return f"{r[key] * 1e3:.2f}" if key in r else "-"
+    def us(key):
+        return f"{r[key] * 1e6:.1f}" if key in r else "-"
 
-        ratio = f"{r['ref_s'] / r['multi_s']:.0f}x" if "ref_s" in r else "-"
-        print(f"{r['shape']:>16} {r['pool']:>5} {r['K']:>2} {r['T']:>4} {us('multi_s'):>10} "
-              f"{r['bytes'] / r['multi_s'] / 1e9:>7.1f} {pct('multi_s'):>7} {us('graph_s'):>9} {pct('graph_s'):>7} "
-              f"{us('singles_s'):>13} {r['singles_s'] / r['multi_s']:>7.2f}x {ms('ref_s'):>8} {ms('compiled_s'):>8} "
-              f"{ratio:>9}", file=out)
-        if "compile_error" in r:
-            print(f"    torch.compile(reference) failed: {r['compile_error']}", file=out)
+    def pct(key):
+        return f"{100 * floor_s / r[key]:.1f}" if key in r else "-"
+
+    def ms(key):
+        return f"{r[key] * 1e3:.2f}" if key in r else "-"
+
+    ratio = f"{r['ref_s'] / r['multi_s']:.0f}x" if "ref_s" in r else "-"
+    print(f"{r['shape']:>16} {r['pool']:>5} {r['K']:>2} {r['T']:>4} {us('multi_s'):>10} "
+          f"{r['bytes'] / r['multi_s'] / 1e9:>7.1f} {pct('multi_s'):>7} {us('graph_s'):>9} {pct('graph_s'):>7} "
+          f"{us('singles_s'):>13} {r['singles_s'] / r['multi_s']:>7.2f}x {ms('ref_s'):>8} {ms('compiled_s'):>8} "
+          f"{ratio:>9}", file=out, flush=True)
+    if "compile_error" in r:
+        print(f"    torch.compile(reference) failed: {r['compile_error']}", file=out, flush=True)
 
 
 def main(argv=None) -> int:
@@ -189,14 +192,14 @@ def main(argv=None) -> int:
     inplace_Bps = inplace_bandwidth(device, (256 << 20) if on_cpu else (1 << 30), timer)
     cache = 2 * last_level_cache_bytes(device)
     rows = []
+    print_header(copy_Bps, inplace_Bps)
     for shape in shapes:
         for pool_name in args.pool_dtype:
             for K in args.K:
                 for T in Ts:
-                    print(f"{shape} pool {pool_name} K={K} T={T} ...", file=sys.stderr, flush=True)
                     rows.append(bench_one(shape, T, K, DTYPES[pool_name], DTYPES[args.input_dtype], device, timer,
                                           cache, not args.no_reference, not args.no_compile, seed=T * 131 + K))
-    print_rows(rows, copy_Bps, inplace_Bps)
+                    print_row(rows[-1], copy_Bps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "copy_Bps": copy_Bps, "inplace_Bps": inplace_Bps, "rows": rows}, f,

@@ -409,6 +409,7 @@ struct LeanMultiLaunch {
   uint32_t heads_per_group = 1;
   int stage_log2 = 0;       // tokens per stage of B / C in shared memory: 1 << stage_log2 (<= kWindow)
   int row_pieces_log2 = 0;  // copies per B or C row: N * sizeof(InT) / piece bytes = 1 << row_pieces_log2
+  bool tiles_inner = false;  // grid (tile groups, H, rows) instead of (H, rows, tile groups)
 };
 
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
@@ -445,7 +446,11 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   constexpr int kRows = lean_rows(kBc);
   const StepParams& s = m.step;
   const RowMap& map = L.map;
-  const uint32_t h = blockIdx.x, t = blockIdx.y;
+  const uint32_t h = L.tiles_inner ? blockIdx.y : blockIdx.x;
+  const uint32_t t = L.tiles_inner ? blockIdx.z : blockIdx.y;
+  const uint32_t group = L.tiles_inner ? blockIdx.x : blockIdx.z;  // this warp's tiles: group, + groups, ...
+  const uint32_t groups = L.tiles_inner ? gridDim.x : gridDim.z;
+  const uint32_t heads = L.tiles_inner ? gridDim.y : gridDim.x;
   const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
   const int li = lane & (map.lanes - 1);
@@ -457,7 +462,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   wait_for_prior_grid();
   allow_next_grid();
   if (t == s.T) {  // varlen: the extra grid row
-    clear_unowned(m, h * gridDim.z + blockIdx.z, gridDim.x * gridDim.z);
+    clear_unowned(m, h * groups + group, heads * groups);
     return;
   }
   const RowTokens tokens = multi_row_tokens(m, t);
@@ -590,7 +595,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   };
 
 #pragma unroll 1
-  for (int tile = blockIdx.z; tile < L.tiles; tile += gridDim.z) {
+  for (int tile = group; tile < L.tiles; tile += groups) {
     const int64_t warp_base = static_cast<int64_t>(tile) * L.rows_per_pass;
     const int64_t p_any = warp_base + row_in_warp;  // this thread's row 0 (its chunks along N)
     const int64_t p = p_any < s.P ? p_any : 0;
@@ -873,8 +878,15 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
   L.tiles = static_cast<int>(tiles);
   const int per = pick_multi_tiles(d.H * d.T * tiles, tiles, lean_warps_per_sm(path));
-  const dim3 grid(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows),
-                  static_cast<unsigned>((tiles + per - 1) / per));
+  const unsigned groups = static_cast<unsigned>((tiles + per - 1) / per);
+  // TORCH_SSD_CUDA_MULTI_ORDER=1: a head's tile groups side by side in the grid, as the
+  // single-token lean kernel orders its tiles at large T (pick_lean_order). A tuning
+  // knob, off by default: its speed is not measured yet (BENCHMARKS.md, seventh session).
+  const char* order = std::getenv("TORCH_SSD_CUDA_MULTI_ORDER");
+  L.tiles_inner = order && order[0] == '1' && d.H <= 65535;
+  const dim3 grid = L.tiles_inner
+                        ? dim3(groups, static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows))
+                        : dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows), groups);
   switch (path) {
     case BcPath::kStaged: {  // stages of up to kWindow tokens, one buffer at most kStageBytes
       while ((int64_t{2} << L.stage_log2) <= kWindow && (token_bytes << (L.stage_log2 + 1)) <= kStageBytes)
