@@ -20,7 +20,8 @@
 #   pattern     tools/cuda_pattern_ceiling.py: the step against the simplest kernel of its access
 #               pattern (addressed slots read and written back in place, Triton), in pattern.log
 #   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
-#               + per-row inputs, + B / C, full), each part's share of the copy, in parts.log
+#               + per-row inputs, + B / C, full; rows and full also with a head's tiles side by
+#               side in the grid), each part's share of the copy, in parts.log
 #   build-base, tune-base
 #               the same two in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
