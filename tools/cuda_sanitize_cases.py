@@ -107,9 +107,11 @@ def step_case(pool_dtype, layout, N, broadcast, idx_dtype, P=8, tag_extra=""):
 
 
 # Every lean-kernel form the launch may pick (rows per thread, warps per block; four
-# rows in a one-warp block take B / C through shared memory), forced in turn.
-LEAN_CHOICES = [{"TORCH_SSD_CUDA_LEAN_ROWS": r, "TORCH_SSD_CUDA_WARPS": w}
-                for r, w in (("1", "1"), ("2", "1"), ("2", "2"), ("4", "1"), ("4", "2"))]
+# rows in a one-warp block take B / C through shared memory; the grid's block order),
+# forced in turn.
+LEAN_CHOICES = [{"TORCH_SSD_CUDA_LEAN_ROWS": r, "TORCH_SSD_CUDA_WARPS": w, "TORCH_SSD_CUDA_LEAN_ORDER": o}
+                for r, w, o in (("1", "1", "0"), ("2", "1", "0"), ("2", "2", "0"), ("4", "1", "0"), ("4", "2", "0"),
+                                ("2", "2", "1"), ("4", "1", "1"))]
 
 
 def lean_choice_cases(pool_dtype):
@@ -119,7 +121,8 @@ def lean_choice_cases(pool_dtype):
         os.environ.update(env)
         for N in (64, 128):
             step_case(pool_dtype, "contiguous", N, broadcast=True, idx_dtype=torch.int64, P=40,
-                      tag_extra=f" rows={env['TORCH_SSD_CUDA_LEAN_ROWS']} warps={env['TORCH_SSD_CUDA_WARPS']}")
+                      tag_extra=f" rows={env['TORCH_SSD_CUDA_LEAN_ROWS']} warps={env['TORCH_SSD_CUDA_WARPS']}"
+                                f" order={env['TORCH_SSD_CUDA_LEAN_ORDER']}")
         for key in env:
             del os.environ[key]
 
@@ -197,13 +200,15 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
-def long_rows_case(pool_dtype, bc_path):
+def long_rows_case(pool_dtype, bc_path, order="0"):
     """A long row through the lean multi-token kernel's B / C path `bc_path` (K = 20:
     widened, both float32 buffers in turn ten times, and each warp walks two tiles of
     rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64), each token
-    writing its own slot, against the CPU."""
+    writing its own slot, against the CPU; `order` the grid's block order
+    (TORCH_SSD_CUDA_MULTI_ORDER)."""
     os.environ["TORCH_SSD_CUDA_MULTI_BC"] = bc_path
     os.environ["TORCH_SSD_CUDA_MULTI_TILES"] = "2"
+    os.environ["TORCH_SSD_CUDA_MULTI_ORDER"] = order
     S, T, K, H, P, G, N = 48, 2, 20, 2, 40, 1, 64
     pool = randn(S, H, P, N, dtype=pool_dtype)
     ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
@@ -223,7 +228,8 @@ def long_rows_case(pool_dtype, bc_path):
         res.append((y, pl))
     for name, g, w in zip(("y", "pool"), res[1], res[0]):
         check(f"long rows {pool_dtype} {bc_path} {name}", g, w)
-    del os.environ["TORCH_SSD_CUDA_MULTI_BC"], os.environ["TORCH_SSD_CUDA_MULTI_TILES"]
+    for key in ("TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_MULTI_ORDER"):
+        del os.environ[key]
 
 
 def main() -> int:
@@ -239,6 +245,7 @@ def main() -> int:
                 multi_cases(pool_dtype, layout, N)
         for bc_path in ("widened", "staged", "registers"):
             long_rows_case(pool_dtype, bc_path)
+        long_rows_case(pool_dtype, "widened", order="1")
         lean_choice_cases(pool_dtype)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "
