@@ -1,6 +1,7 @@
 """The main job (`python -m torch_ssd`, torch_ssd/bench.py): its input rotation, its exit
 statuses, and a run end to end on tiny shapes (timings are printed, never asserted)."""
 
+import argparse
 import json
 
 import pytest
@@ -76,3 +77,12 @@ def test_main_job_refuses_a_non_positive_T(argv, capsys):
 def test_main_job_says_when_cuda_is_missing(capsys):
     assert bench.main(["--device", "cuda", "--no-progress"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_sweep_args_give_the_tools_defaults_and_take_overrides():
+    ap = argparse.ArgumentParser()
+    bench.add_sweep_args(ap, T=[64, 256], seconds=0.2)
+    got = ap.parse_args([])
+    assert (got.shapes, got.pool_dtypes, got.T, got.seconds) == (bench.MODEL_SHAPES, ["fp32", "bf16"], [64, 256], 0.2)
+    got = ap.parse_args(["--T", "1", "16", "--pool-dtypes", "bf16", "--seconds", "0.05"])
+    assert (got.T, got.pool_dtypes, got.seconds) == ([1, 16], ["bf16"], 0.05)

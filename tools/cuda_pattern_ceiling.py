@@ -26,22 +26,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-try:
-    import torch_ssd  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import torch_ssd  # noqa: F401
-from torch_ssd import bench
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from triton_bench import bench, start, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -57,10 +45,7 @@ BLOCKS = (1024, 2048, 4096, 8192)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
-    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--T", nargs="+", type=int, default=[64, 256])
-    ap.add_argument("--seconds", type=float, default=0.2)
+    bench.add_sweep_args(ap, T=[64, 256], seconds=0.2)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("cuda_pattern_ceiling: needs a CUDA device", file=sys.stderr)
@@ -69,10 +54,7 @@ def main() -> int:
         print("cuda_pattern_ceiling: needs Triton", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
-    copy_Bps = bench.copy_bandwidth(device, bench.copy_ceiling_bytes(device), timer)
-    print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"triton {triton.__version__}")
+    timer, copy_Bps = start(device, args.seconds)
     print(f"{'shape':>14} {'pool':>5} {'T':>4} {'step':>14} {'slot-copy':>20} {'seq-copy':>14} {'1w-256B':>14} "
           f"{'1w-64B':>14} {'gather':>14}")
     gen = torch.Generator().manual_seed(0)

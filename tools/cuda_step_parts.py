@@ -30,22 +30,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-try:
-    import torch_ssd  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import torch_ssd  # noqa: F401
-from torch_ssd import bench
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from triton_bench import bench, start, tl, triton
 
 PARTS = ("rows", "+inputs", "+B/C", "full")
 
@@ -145,10 +133,7 @@ def check(inp: bench.StepInputs, rows: int, warps: int, tiles_inner: bool = Fals
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
-    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--T", nargs="+", type=int, default=[64, 256])
-    ap.add_argument("--seconds", type=float, default=0.15)
+    bench.add_sweep_args(ap, T=[64, 256], seconds=0.15)
     ap.add_argument("--check-only", action="store_true", help="check the Triton step against the op, time nothing")
     args = ap.parse_args()
     if triton is None:
@@ -175,10 +160,7 @@ def main() -> int:
                         print(f"{shape} {name} T={T} warps={warps} tiles_inner={inner}: "
                               f"worst relative error {err:.2g}")
         return 0
-    timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)
-    copy_Bps = bench.copy_bandwidth(device, bench.copy_ceiling_bytes(device), timer)
-    print(f"copy {copy_Bps / 1e9:.1f} GB/s | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"triton {triton.__version__}")
+    timer, copy_Bps = start(device, args.seconds)
     columns = ("step",) + PARTS + ("full-4w", "rows-ti", "full-ti")
     print(f"{'shape':>14} {'pool':>5} {'T':>4} " + " ".join(f"{c:>8}" for c in columns) + "  check")
     for shape, name, pool_dtype, T, sets in bench.input_set_sweep(args.shapes, args.pool_dtypes, args.T, device, gen):

@@ -35,10 +35,7 @@ from torch_ssd import bench
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
-    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--T", nargs="+", type=int, default=[1])
-    ap.add_argument("--seconds", type=float, default=0.15)
+    bench.add_sweep_args(ap, T=[1], seconds=0.15)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("cuda_t1_floor: needs a CUDA device", file=sys.stderr)

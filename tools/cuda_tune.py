@@ -80,11 +80,8 @@ def parse_config(text: str) -> dict[str, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
-    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
-    ap.add_argument("--T", nargs="+", type=int, default=[1, 16, 64, 256])
+    bench.add_sweep_args(ap, T=[1, 16, 64, 256], seconds=0.15)
     ap.add_argument("--configs", nargs="+", default=["lean", "block", "pipe"])
-    ap.add_argument("--seconds", type=float, default=0.15)
     args = ap.parse_args()
     device = torch.device("cuda")
     timer = bench.Timer(device, budget_s=args.seconds, min_samples=5, max_samples=100)

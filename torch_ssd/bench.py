@@ -539,6 +539,15 @@ def rotation_bytes(device: torch.device) -> int:
     return 4 * cache if device.type == "cuda" else max(256 << 20, 4 * cache)
 
 
+def add_sweep_args(ap: argparse.ArgumentParser, T: list[int], seconds: float) -> None:
+    """The developer tools' sweep options (for input_set_sweep): --shapes, --pool-dtypes,
+    --T (default T) and --seconds of samples per timing (default seconds)."""
+    ap.add_argument("--shapes", nargs="+", default=MODEL_SHAPES)
+    ap.add_argument("--pool-dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--T", nargs="+", type=int, default=T)
+    ap.add_argument("--seconds", type=float, default=seconds)
+
+
 def input_set_sweep(shapes, pool_dtype_names, Ts, device: torch.device, gen: torch.Generator,
                     input_dtype: torch.dtype = torch.bfloat16):
     """The developer tools' sweep: (shape, pool dtype name, pool dtype, T, input sets) for
