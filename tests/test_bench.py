@@ -1,8 +1,10 @@
 """The main job (`python -m torch_ssd`, torch_ssd/bench.py): its input rotation, its exit
-statuses, and a run end to end on tiny shapes (timings are printed, never asserted)."""
+statuses, and a run end to end on tiny shapes (timings are printed, never asserted); the
+multi-token benchmark's (tools/bench_multi.py) A/B of environment settings."""
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -86,3 +88,44 @@ def test_sweep_args_give_the_tools_defaults_and_take_overrides():
     assert (got.shapes, got.pool_dtypes, got.T, got.seconds) == (bench.MODEL_SHAPES, ["fp32", "bf16"], [64, 256], 0.2)
     got = ap.parse_args(["--T", "1", "16", "--pool-dtypes", "bf16", "--seconds", "0.05"])
     assert (got.T, got.pool_dtypes, got.seconds) == ([1, 16], ["bf16"], 0.05)
+
+
+def _load_tool(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_multi_env_settings_are_set_for_a_timing_then_restored(monkeypatch):
+    bench_multi = _load_tool("bench_multi")
+    monkeypatch.setenv("TORCH_SSD_TEST_A", "kept")
+    monkeypatch.delenv("TORCH_SSD_TEST_B", raising=False)
+    setting = bench_multi.EnvSetting("TORCH_SSD_TEST_A=1,TORCH_SSD_TEST_B=2")
+    with setting:
+        assert (os.environ["TORCH_SSD_TEST_A"], os.environ["TORCH_SSD_TEST_B"]) == ("1", "2")
+    assert os.environ["TORCH_SSD_TEST_A"] == "kept"
+    assert "TORCH_SSD_TEST_B" not in os.environ
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):
+        bench_multi.EnvSetting("TORCH_SSD_TEST_A")
+
+
+def test_bench_multi_times_each_env_setting_and_the_y_only_form(tmp_path, capsys):
+    bench_multi = _load_tool("bench_multi")
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--shapes", "4,8,16,1", "--K", "2", "--T", "2", "--pool-dtype", "fp32",
+            "--budget", "0.01", "--no-reference", "--json", str(out), "--ab", "TORCH_SSD_TEST_AB=1", "--y-only"]
+    assert bench_multi.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and set(rows[0]["ab_s"]) == {"default", "TORCH_SSD_TEST_AB=1"}
+    assert all(t > 0 for t in rows[0]["ab_s"].values()) and rows[0]["y_only_s"] > 0
+    # y only moves the state once: K = 2 writes of 2 * 4 * 8 * 16 float32 elements fewer.
+    assert rows[0]["bytes"] - rows[0]["y_only_bytes"] == 2 * (2 * 4 * 8 * 16 * 4)
+    printed = capsys.readouterr().out
+    assert "TORCH_SSD_TEST_AB=1:" in printed and "y only (write_state=False)" in printed
+    assert "write-only (fill) bandwidth" in printed
+    assert "TORCH_SSD_TEST_AB" not in os.environ

@@ -33,7 +33,7 @@ import torch_ssd  # noqa: E402,F401  (registers torch.ops.ssd)
 from torch_ssd import reference_multi  # noqa: E402
 from torch_ssd.bench import (  # noqa: E402
     DTYPES, SHORT_NAME, Shape, Timer, copy_bandwidth, graph_time, inplace_bandwidth, last_level_cache_bytes,
-    rotating_sets)
+    rotating_sets, write_bandwidth)
 
 PAD = -1
 
@@ -65,9 +65,9 @@ class MultiInputs:
         self.first_src = self.table.gather(1, (self.accepted - 1).view(T, 1)).view(T)
         self.T, self.K = T, K
 
-    def multi(self):
+    def multi(self, write_state: bool = True):
         torch.ops.ssd.decode_step_multi_out(self.pool, self.x, self.dt, self.A, self.B, self.C, self.D, self.z,
-                                            self.dt_bias, True, self.table, None, PAD, self.accepted, True,
+                                            self.dt_bias, True, self.table, None, PAD, self.accepted, write_state,
                                             self.out)
 
     def singles(self):
@@ -87,14 +87,14 @@ class MultiInputs:
         return sum(t.numel() * t.element_size() for t in (self.pool, self.x, self.z, self.B, self.C, self.out))
 
 
-def multi_bytes(shape: Shape, T: int, K: int, pool_dtype, input_dtype) -> int:
+def multi_bytes(shape: Shape, T: int, K: int, pool_dtype, input_dtype, writes: bool = True) -> int:
     """Bytes the multi-token step must move: one state read per row, one state write per
-    token (every token writes its own slot here), the per-token inputs and y, the slot
-    table and accepted counts, and the per-head operands."""
+    token (every token writes its own slot here; none with writes=False), the per-token
+    inputs and y, the slot table and accepted counts, and the per-head operands."""
     H, P, N, G = shape.H, shape.P, shape.N, shape.G
     ps = torch.tensor([], dtype=pool_dtype).element_size()
     es = torch.tensor([], dtype=input_dtype).element_size()
-    state = T * H * P * N * ps * (1 + K)
+    state = T * H * P * N * ps * (1 + (K if writes else 0))
     per_token = T * K * (3 * H * P + H + 2 * G * N) * es  # x, z, y; dt per head; B, C
     indices = (T * K + T) * 8
     per_head = 3 * H * 4
@@ -106,8 +106,33 @@ def _graph_time(sets, timer: Timer, device) -> float:
     return graph_time(lambda j: sets[j % len(sets)].multi(), len(sets), timer, device, min_steps=4, warmup=2)
 
 
+class EnvSetting:
+    """NAME=VALUE[,NAME=VALUE...]: environment variables set for one timing (a kernel knob
+    the extension reads on every call), then restored."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.pairs = []
+        for item in text.split(","):
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE...], got {text!r}")
+            self.pairs.append((name, value))
+
+    def __enter__(self):
+        self.saved = [(name, os.environ.get(name)) for name, _ in self.pairs]
+        os.environ.update(dict(self.pairs))
+
+    def __exit__(self, *exc):
+        for name, value in self.saved:
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, with_reference, with_compile,
-              seed):
+              seed, ab=(), y_only=False):
     gen = torch.Generator().manual_seed(seed)
     sets = rotating_sets(lambda: MultiInputs(shape, T, K, pool_dtype, input_dtype, device, gen), cache_bytes,
                          max_sets=32)
@@ -116,6 +141,18 @@ def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, 
     row = {"shape": str(shape), "T": T, "K": K, "pool": SHORT_NAME[pool_dtype], "inputs": SHORT_NAME[input_dtype],
            "bytes": multi_bytes(shape, T, K, pool_dtype, input_dtype), "input_sets": n}
     row["multi_s"] = timer.time(lambda i: sets[i % n].multi(), warm)
+    if ab:
+        # The default and each setting in turn, twice, on the same inputs: an A/B within one process.
+        times = {"default": [row["multi_s"]]}
+        for _ in range(2):
+            for setting in ab:
+                with setting:
+                    times.setdefault(setting.text, []).append(timer.time(lambda i: sets[i % n].multi(), warm))
+            times["default"].append(timer.time(lambda i: sets[i % n].multi(), warm))
+        row["ab_s"] = {name: min(ts) for name, ts in times.items()}
+    if y_only:
+        row["y_only_s"] = timer.time(lambda i: sets[i % n].multi(write_state=False), warm)
+        row["y_only_bytes"] = multi_bytes(shape, T, K, pool_dtype, input_dtype, writes=False)
     row["singles_s"] = timer.time(lambda i: sets[i % n].singles(), warm)
     if device.type == "cuda":
         row["graph_s"] = _graph_time(sets, timer, device)
@@ -163,6 +200,14 @@ def print_row(r, copy_Bps, out=None):
           f"{r['bytes'] / r['multi_s'] / 1e9:>7.1f} {pct('multi_s'):>7} {us('graph_s'):>9} {pct('graph_s'):>7} "
           f"{us('singles_s'):>13} {r['singles_s'] / r['multi_s']:>7.2f}x {ms('ref_s'):>8} {ms('compiled_s'):>8} "
           f"{ratio:>9}", file=out, flush=True)
+    if "y_only_s" in r:
+        t = r["y_only_s"]
+        print(f"    y only (write_state=False): {t * 1e6:.1f} us, {100 * r['y_only_bytes'] / copy_Bps / t:.1f} % of "
+              f"its floor (one state read, no writes), {100 * t / r['multi_s']:.0f} % of the multi time", file=out,
+              flush=True)
+    for name, t in r.get("ab_s", {}).items():
+        print(f"    {name}: {t * 1e6:.1f} us, {100 * floor_s / t:.1f} % floor ({100 * (t / r['ab_s']['default'] - 1):+.1f} % "
+              f"time against the default)", file=out, flush=True)
     if "compile_error" in r:
         print(f"    torch.compile(reference) failed: {r['compile_error']}", file=out, flush=True)
 
@@ -181,6 +226,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--ab", nargs="+", type=EnvSetting, default=[], metavar="NAME=VALUE[,...]",
+                   help="also time the multi-token op with each of these environment settings (the CUDA kernels' "
+                        "tuning knobs, e.g. TORCH_SSD_CUDA_MULTI_ORDER=1), alternating with the default on the same "
+                        "inputs; each row then lists the best of each")
+    p.add_argument("--y-only", action="store_true",
+                   help="also time the op with write_state=False (y only: the state read, none written) and "
+                        "measure the device's write-only (fill) bandwidth: how much of the step its K writes cost")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -190,6 +242,9 @@ def main(argv=None) -> int:
     timer = Timer(device, args.budget, min_samples=5, max_samples=200)
     copy_Bps = copy_bandwidth(device, (256 << 20) if on_cpu else (1 << 30), timer)
     inplace_Bps = inplace_bandwidth(device, (256 << 20) if on_cpu else (1 << 30), timer)
+    if args.y_only:
+        fill_Bps = write_bandwidth(device, (256 << 20) if on_cpu else (1 << 30), timer)
+        print(f"write-only (fill) bandwidth (same run): {fill_Bps / 1e9:.1f} GB/s", flush=True)
     cache = 2 * last_level_cache_bytes(device)
     rows = []
     print_header(copy_Bps, inplace_Bps)
@@ -198,7 +253,8 @@ def main(argv=None) -> int:
             for K in args.K:
                 for T in Ts:
                     rows.append(bench_one(shape, T, K, DTYPES[pool_name], DTYPES[args.input_dtype], device, timer,
-                                          cache, not args.no_reference, not args.no_compile, seed=T * 131 + K))
+                                          cache, not args.no_reference, not args.no_compile, seed=T * 131 + K,
+                                          ab=args.ab, y_only=args.y_only))
                     print_row(rows[-1], copy_Bps)
     if args.json:
         with open(args.json, "w") as f:

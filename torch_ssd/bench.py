@@ -390,6 +390,14 @@ def inplace_bandwidth(device: torch.device, nbytes: int, timer: Timer, budget_s:
     return 2 * nbytes / secs
 
 
+def write_bandwidth(device: torch.device, nbytes: int, timer: Timer, budget_s: float = 1.0) -> float:
+    """Bytes/s of a large fill (x.fill_: each byte written once, none read), median of
+    repeats: the ceiling of a step that mostly writes (the multi-token step's K states)."""
+    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    secs = timer.time(lambda i: buf.fill_(1.0), warmup_calls=2, budget_s=budget_s, min_samples=5)
+    return nbytes / secs
+
+
 def last_level_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
