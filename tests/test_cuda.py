@@ -275,6 +275,7 @@ KERNEL_CHOICES = [
     {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_WARPS": "2", "TORCH_SSD_CUDA_LEAN_ORDER": "1"},
     {"TORCH_SSD_CUDA_LEAN_ORDER": "0"},
 ]
+KERNEL_KNOBS = sorted({key for env in KERNEL_CHOICES for key in env})
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
@@ -294,9 +295,7 @@ def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, mo
     pool0 = inputs["ssm_pool"].clone()
     first = None
     for env in KERNEL_CHOICES:
-        for key in ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_LEAN_ROWS",
-                    "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PDL", "TORCH_SSD_CUDA_PREFETCH",
-                    "TORCH_SSD_CUDA_LEAN_ORDER"):
+        for key in KERNEL_KNOBS:
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)

@@ -941,7 +941,11 @@ LEAN_MULTI_CHOICES = (
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_BC": "widened"},
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_ORDER": "1"},
     {"TORCH_SSD_CUDA_MULTI_ORDER": "1", "TORCH_SSD_CUDA_MULTI_BC": "staged"},
+    {"TORCH_SSD_CUDA_MULTI_BULK": "1"},
+    {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_BULK": "1", "TORCH_SSD_CUDA_MULTI_ORDER": "1",
+     "TORCH_SSD_CUDA_MULTI_BC": "widened"},
 )
+LEAN_MULTI_KNOBS = sorted({key for env in LEAN_MULTI_CHOICES for key in env})
 
 
 def _lean_case(form: str, K: int, n: int, pool_dtype, dtype) -> dict:
@@ -986,8 +990,7 @@ def test_lean_multi_kernel_gives_the_block_kernels_bits(pool_dtype, dtype, n, K,
     args = multi_args if form == "fixed" else varlen_args
     first = None
     for env in LEAN_MULTI_CHOICES:
-        for key in ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_PDL",
-                    "TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_ORDER"):
+        for key in LEAN_MULTI_KNOBS:
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)

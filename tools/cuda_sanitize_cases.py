@@ -200,15 +200,17 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
-def long_rows_case(pool_dtype, bc_path, order="0"):
+def long_rows_case(pool_dtype, bc_path, order="0", bulk="0"):
     """A long row through the lean multi-token kernel's B / C path `bc_path` (K = 20:
     widened, both float32 buffers in turn ten times, and each warp walks two tiles of
     rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64), each token
     writing its own slot, against the CPU; `order` the grid's block order
-    (TORCH_SSD_CUDA_MULTI_ORDER)."""
+    (TORCH_SSD_CUDA_MULTI_ORDER), `bulk` whether the widened path writes its states by
+    bulk copies from shared memory (TORCH_SSD_CUDA_MULTI_BULK)."""
     os.environ["TORCH_SSD_CUDA_MULTI_BC"] = bc_path
     os.environ["TORCH_SSD_CUDA_MULTI_TILES"] = "2"
     os.environ["TORCH_SSD_CUDA_MULTI_ORDER"] = order
+    os.environ["TORCH_SSD_CUDA_MULTI_BULK"] = bulk
     S, T, K, H, P, G, N = 48, 2, 20, 2, 40, 1, 64
     pool = randn(S, H, P, N, dtype=pool_dtype)
     ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
@@ -228,7 +230,8 @@ def long_rows_case(pool_dtype, bc_path, order="0"):
         res.append((y, pl))
     for name, g, w in zip(("y", "pool"), res[1], res[0]):
         check(f"long rows {pool_dtype} {bc_path} {name}", g, w)
-    for key in ("TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_MULTI_ORDER"):
+    for key in ("TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_MULTI_ORDER",
+                "TORCH_SSD_CUDA_MULTI_BULK"):
         del os.environ[key]
 
 
@@ -245,7 +248,8 @@ def main() -> int:
                 multi_cases(pool_dtype, layout, N)
         for bc_path in ("widened", "staged", "registers"):
             long_rows_case(pool_dtype, bc_path)
-        long_rows_case(pool_dtype, "widened", order="1")
+        long_rows_case(pool_dtype, "widened", bulk="1")
+        long_rows_case(pool_dtype, "widened", order="1", bulk="1")
         lean_choice_cases(pool_dtype)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "

@@ -156,10 +156,8 @@ inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().
 // kernel's results (wait_for_prior_grid) only where it first reads or writes global
 // memory -- what it hides is the launch gap between back-to-back steps. On by default
 // where the device has it; TORCH_SSD_CUDA_PDL=0 turns it off (read on every call).
-inline bool use_pdl() {
-  if (const char* env = std::getenv("TORCH_SSD_CUDA_PDL")) {
-    if (env[0] == '0') return false;
-  }
+// Whether the current device is sm_90 or later (read once per device).
+inline bool device_is_sm90() {
   constexpr int kMaxDevices = 64;
   static int major[kMaxDevices] = {};
   const int device = c10::cuda::current_device();
@@ -170,6 +168,13 @@ inline bool use_pdl() {
     major[device] = value;
   }
   return major[device] >= 9;
+}
+
+inline bool use_pdl() {
+  if (const char* env = std::getenv("TORCH_SSD_CUDA_PDL")) {
+    if (env[0] == '0') return false;
+  }
+  return device_is_sm90();
 }
 
 // Launch `kernel` on `stream`, with programmatic dependent launch when pdl is set
@@ -231,6 +236,26 @@ bool lean_applies(const Dims& d, const RowMap& m, bool unit, bool a_per_n, int64
          (!z.has_value() || same_type({*z}, x)) && rows_aligned(B, chunk_bytes) && rows_aligned(C, chunk_bytes);
 }
 
+// The step's rows (T * H * P) per multiprocessor: the load the lean kernels' launch
+// choices are picked from.
+inline int64_t lean_rows_per_sm(const Dims& d) { return d.T * d.H * d.P / num_sms(); }
+
+// Block order of the lean kernels: a head's tiles side by side in the grid ((tiles, H,
+// rows): consecutive blocks on consecutive bytes of a slot) or the heads' order ((H,
+// rows, tiles)). `env_name` ("1" / "0") forces either over `by_default`; H above 65535
+// (the grid's y limit) keeps the heads' order.
+inline bool lean_tiles_inner(const char* env_name, bool by_default, int64_t H) {
+  if (H > 65535) return false;
+  const char* env = std::getenv(env_name);
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return by_default;
+}
+
+inline dim3 lean_grid(bool tiles_inner, int64_t H, int64_t rows, int64_t tiles) {
+  const unsigned h = static_cast<unsigned>(H), r = static_cast<unsigned>(rows), n = static_cast<unsigned>(tiles);
+  return tiles_inner ? dim3(n, h, r) : dim3(h, r, n);
+}
+
 #if defined(__CUDACC__)
 
 // last_writer (step.h) computed by a whole warp: lane l scans rows t+1+l, t+1+l+32,
@@ -247,6 +272,16 @@ __device__ __forceinline__ bool warp_last_writer(const SlotRef& dst_idx, const S
       later = true;
   }
   return !__any_sync(kFullMask, later);
+}
+
+// This block's place in a lean_grid: head, row, tile (along P), and the grid's heads
+// and tiles.
+struct LeanBlock {
+  uint32_t h, row, tile, heads, tiles;
+};
+__device__ __forceinline__ LeanBlock lean_block(bool tiles_inner) {
+  if (tiles_inner) return {blockIdx.y, blockIdx.z, blockIdx.x, gridDim.y, gridDim.x};
+  return {blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z};
 }
 
 // Programmatic dependent launch, device side (no-ops before sm_90): wait until the
@@ -272,6 +307,54 @@ __device__ __forceinline__ void allow_next_grid() {
 __device__ __forceinline__ void prefetch_l2_bytes(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Bulk copies from shared to global memory (sm_90's cp.async.bulk): the copy engine
+// writes the bytes while the warp goes on computing, instead of the warp's stores
+// waiting in the memory pipeline that its shared-memory loads also use. `bytes` a
+// multiple of 16, both addresses 16-byte aligned. Before sm_90 (where the host never
+// asks for them) plain 16-byte stores.
+__device__ __forceinline__ void bulk_store(void* global, const void* smem, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned src = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global), "r"(src), "r"(bytes)
+               : "memory");
+#else
+  for (uint32_t i = 0; i < bytes; i += 16)
+    *reinterpret_cast<uint4*>(static_cast<char*>(global) + i) =
+        *reinterpret_cast<const uint4*>(static_cast<const char*>(smem) + i);
+#endif
+}
+
+// Shared-memory writes made by this thread become visible to the bulk copies issued
+// after it (with a barrier between: another thread may issue them).
+__device__ __forceinline__ void bulk_fence_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Close this thread's group of bulk copies issued so far.
+__device__ __forceinline__ void bulk_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until all of this thread's groups but the kPending most recent have read
+// their shared memory (which may then be written again).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Wait until all of this thread's bulk copies are complete (written to global memory).
+__device__ __forceinline__ void bulk_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
 

@@ -478,6 +478,9 @@ constexpr bool lean_holds_bc() {
 
 // kSharedBC (one warp per block): B and C widened once by the warp into shared
 // memory instead of held in registers (lean_holds_bc); 128 registers either way.
+// (Bounded for 20 or 24 resident blocks per multiprocessor instead of 16: 96 / 80
+// registers, 56-72 bytes spilled, 7-10 points of copy bandwidth lost on an H200 at
+// T >= 64; BENCHMARKS.md, eighth session.)
 template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
 __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
                                   kSharedBC ? 16 : lean_min_blocks<PoolT, kRows, KB>())
@@ -487,9 +490,8 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   constexpr bool kHoldBC = lean_holds_bc<PoolT, kRows, KB>() && !kSharedBC;
   // KB: the chunks per lane of the row map (host-checked), a compile-time count.
   const RowMap& m = L.map;
-  const uint32_t h = L.tiles_inner ? blockIdx.y : blockIdx.x;
-  const uint32_t t = L.tiles_inner ? blockIdx.z : blockIdx.y;
-  const uint32_t tile = L.tiles_inner ? blockIdx.x : blockIdx.z;
+  const LeanBlock at = lean_block(L.tiles_inner);
+  const uint32_t h = at.h, t = at.row, tile = at.tile;
   const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
   const int li = lane & (m.lanes - 1);
@@ -793,10 +795,6 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The step's rows (T * H * P) per multiprocessor: the load the lean launch choices
-// below are picked from.
-int64_t lean_rows_per_sm(const Dims& d) { return d.T * d.H * d.P / num_sms(); }
-
 // Rows of the lean kernel per thread: TORCH_SSD_CUDA_LEAN_ROWS=1, 2 or 4 forces it
 // (fewer where a warp's rows would outnumber its lanes, 2 at most with 8 chunks per
 // lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md, "2026-12-01,
@@ -838,10 +836,7 @@ int pick_lean_warps(const Dims& d, int elem_size) {
 // (BENCHMARKS.md, "2026-12-01, seventh session"). TORCH_SSD_CUDA_LEAN_ORDER=1 / =0
 // forces either; H above 65535 (the grid's y limit) keeps the heads' order.
 bool pick_lean_order(const Dims& d) {
-  if (d.H > 65535) return false;
-  const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ORDER");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return lean_rows_per_sm(d) > 1200;
+  return lean_tiles_inner("TORCH_SSD_CUDA_LEAN_ORDER", lean_rows_per_sm(d) > 1200, d.H);
 }
 
 // Whether the lean kernel warms L2 with its state rows before waiting on the
@@ -869,9 +864,7 @@ void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, c
   const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
   L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
   L.tiles_inner = pick_lean_order(d);
-  const dim3 grid = L.tiles_inner
-                        ? dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(d.H), static_cast<unsigned>(d.T))
-                        : dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(d.T), static_cast<unsigned>(tiles));
+  const dim3 grid = lean_grid(L.tiles_inner, d.H, d.T, tiles);
   const size_t smem = kSharedBC ? 2 * static_cast<size_t>(d.N) * sizeof(float) : 0;
   if constexpr (kSharedBC) allow_smem(kernel, smem);
   launch_kernel(kernel, grid, dim3(W * kWarp), smem, stream, use_pdl(), s, L);

@@ -410,6 +410,8 @@ struct LeanMultiLaunch {
   int stage_log2 = 0;       // tokens per stage of B / C in shared memory: 1 << stage_log2 (<= kWindow)
   int row_pieces_log2 = 0;  // copies per B or C row: N * sizeof(InT) / piece bytes = 1 << row_pieces_log2
   bool tiles_inner = false;  // grid (tile groups, H, rows) instead of (H, rows, tile groups)
+  bool bulk_stores = false;  // kWidened: states written by bulk copies from shared memory (pick_bulk_stores)
+  int store_smem_offset = 0;  // bytes into the dynamic shared memory: the store buffers (two of a tile's rows)
 };
 
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
@@ -446,11 +448,9 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   constexpr int kRows = lean_rows(kBc);
   const StepParams& s = m.step;
   const RowMap& map = L.map;
-  const uint32_t h = L.tiles_inner ? blockIdx.y : blockIdx.x;
-  const uint32_t t = L.tiles_inner ? blockIdx.z : blockIdx.y;
-  const uint32_t group = L.tiles_inner ? blockIdx.x : blockIdx.z;  // this warp's tiles: group, + groups, ...
-  const uint32_t groups = L.tiles_inner ? gridDim.x : gridDim.z;
-  const uint32_t heads = L.tiles_inner ? gridDim.y : gridDim.x;
+  const LeanBlock at = lean_block(L.tiles_inner);
+  const uint32_t h = at.h, t = at.row;
+  const uint32_t group = at.tile, groups = at.tiles, heads = at.heads;  // this warp's tiles: group, + groups, ...
   const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
   const int li = lane & (map.lanes - 1);
@@ -593,6 +593,14 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   auto half_at = [&](auto* own0, int64_t channel_stride, int r, bool row_valid) {
     return r == 0 || !row_valid ? own0 : own0 + r * rpw * channel_stride;
   };
+
+  // kWidened with bulk stores (L.bulk_stores): two buffers of a tile's rows after the
+  // B / C buffers, a row every store_pitch elements (64 bytes past the row: a warp's
+  // 16-byte writes to neighbouring rows fall in different banks); `stores` counts this
+  // warp's tile stores, whose parity picks the buffer.
+  PoolT* const store_buf = reinterpret_cast<PoolT*>(lean_smem + L.store_smem_offset);
+  const int store_pitch = n_row + 64 / static_cast<int>(sizeof(PoolT));
+  uint32_t stores = 0;
 
 #pragma unroll 1
   for (int tile = group; tile < L.tiles; tile += groups) {
@@ -763,7 +771,28 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
         if (group_ends) load_pair(k + 1 + k_lane);
       }
       const int32_t dst = __shfl_sync(kFullMask, window, static_cast<int>(k % kWindow));
-      if (dst >= 0) {
+      if (dst >= 0 && kWidened && L.bulk_stores) {
+        // The tile's rows, rounded, into store buffer `stores % 2` (row q at q * pitch),
+        // then one bulk copy per row, by lane q % 32; the buffer is written again two
+        // stores later, once those copies have read it.
+        PoolT* const buf = store_buf + static_cast<int>(stores & 1) * L.rows_per_pass * store_pitch;
+        bulk_wait_read<1>();
+        __syncwarp();  // every lane's copies from this buffer are done with it
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (valid[r])
+#pragma unroll
+            for (int j = 0; j < KB; ++j)
+              *reinterpret_cast<uint4*>(buf + (row_in_warp + r * rpw) * store_pitch + (j * map.lanes + li) * VEC) =
+                  narrow_chunk<VEC, PoolT>(st[r][j]);
+        bulk_fence_shared();
+        __syncwarp();  // the whole tile is in the buffer
+        for (int q = lane; q < L.rows_per_pass && warp_base + q < s.P; q += kWarp)
+          bulk_store(pool + (dst * s.pool_stride[0] + s.pool_offset(0, h, warp_base + q)), buf + q * store_pitch,
+                     static_cast<uint32_t>(n_row * sizeof(PoolT)));
+        bulk_commit();
+        ++stores;
+      } else if (dst >= 0) {
         PoolT* const row = pool + (dst * s.pool_stride[0] + row_offset);
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
@@ -788,6 +817,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       if constexpr (kWidened) __syncwarp();  // every lane has read token k's buffer
     }
   }
+  if (kWidened && L.bulk_stores) bulk_wait_all();  // the copies read this block's shared memory
 }
 
 // Warps per block: 8, fewer when P is small (no warp without a row) or when there
@@ -864,6 +894,20 @@ BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces) {
   return tokens >= kWindow * rows ? BcPath::kStaged : BcPath::kRegisters;
 }
 
+// Whether the lean kernel (kWidened) writes its states by bulk copies from shared
+// memory (bulk_store) instead of 16-byte stores from registers; sm_90 only.
+// TORCH_SSD_CUDA_MULTI_BULK=1 / =0 forces it on / off. By default for float32 pools
+// with 4 tokens or more per row and more than 1200 rows per multiprocessor (T >= 32 on
+// the benchmark's shapes), where an H200 measured it 0.4-8.9 % faster in two runs (12
+// of 12 cells); it was 7-18 % slower for bfloat16 pools, and -0.3..+18 % at K = 2 or
+// T = 16 (BENCHMARKS.md, eighth session).
+bool pick_bulk_stores(const Dims& d, int64_t tokens, int elem_size) {
+  if (!device_is_sm90()) return false;
+  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_BULK");
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return elem_size == 4 && tokens >= 4 * d.T && lean_rows_per_sm(d) > 1200;
+}
+
 template <typename PoolT, typename InT, int KB>
 void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows, int64_t tokens,
                  cudaStream_t stream) {
@@ -881,12 +925,10 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   const unsigned groups = static_cast<unsigned>((tiles + per - 1) / per);
   // TORCH_SSD_CUDA_MULTI_ORDER=1: a head's tile groups side by side in the grid, as the
   // single-token lean kernel orders its tiles at large T (pick_lean_order). A tuning
-  // knob, off by default: its speed is not measured yet (BENCHMARKS.md, seventh session).
-  const char* order = std::getenv("TORCH_SSD_CUDA_MULTI_ORDER");
-  L.tiles_inner = order && order[0] == '1' && d.H <= 65535;
-  const dim3 grid = L.tiles_inner
-                        ? dim3(groups, static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows))
-                        : dim3(static_cast<unsigned>(d.H), static_cast<unsigned>(grid_rows), groups);
+  // knob, off by default: on an H200 level at T = 64 and mixed at T = 16 (-8.8..+6.4 % in
+  // time; BENCHMARKS.md, eighth session).
+  L.tiles_inner = lean_tiles_inner("TORCH_SSD_CUDA_MULTI_ORDER", false, d.H);
+  const dim3 grid = lean_grid(L.tiles_inner, d.H, grid_rows, groups);
   switch (path) {
     case BcPath::kStaged: {  // stages of up to kWindow tokens, one buffer at most kStageBytes
       while ((int64_t{2} << L.stage_log2) <= kWindow && (token_bytes << (L.stage_log2 + 1)) <= kStageBytes)
@@ -896,8 +938,13 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
                     use_pdl(), m, L);
       break;
     }
-    case BcPath::kWidened: {  // two buffers of a token's B and C rows in float32
-      const size_t smem = 4 * static_cast<size_t>(d.N) * sizeof(float);
+    case BcPath::kWidened: {  // two buffers of a token's B and C rows in float32 (+ the store buffers)
+      const size_t bc_bytes = 4 * static_cast<size_t>(d.N) * sizeof(float);
+      L.bulk_stores = pick_bulk_stores(d, tokens, static_cast<int>(sizeof(PoolT)));
+      L.store_smem_offset = static_cast<int>(bc_bytes);
+      const size_t store_row_bytes = d.N * sizeof(PoolT) + 64;  // the kernel's store_pitch
+      const size_t smem = bc_bytes + (L.bulk_stores ? 2 * static_cast<size_t>(L.rows_per_pass) * store_row_bytes : 0);
+      allow_smem(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, smem);
       launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, grid, dim3(kWarp), smem, stream, use_pdl(),
                     m, L);
       break;
