@@ -33,7 +33,8 @@
 #   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
 #   bench-quick the same without torch.compile(reference)
 #   bench-multi tools/bench_multi.py (multi-token step; no reference timings), MULTI_ARGS extra
-#               arguments, MULTI_BUDGET seconds per timing (default 0.15); bench-multi-block: the
+#               arguments (e.g. --y-only, --ab TORCH_SSD_CUDA_MULTI_BULK=0: a knob against the default
+#               on the same inputs), MULTI_BUDGET seconds per timing (default 0.15); bench-multi-block: the
 #               same with the lean kernels off; bench-multi-bc: once per lean B / C path in BC_PATHS
 #               (default "registers staged widened"; TORCH_SSD_CUDA_MULTI_BC), logs bench-multi-<path>.log
 #
