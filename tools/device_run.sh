@@ -2,7 +2,7 @@
 # On a CUDA machine: build the extension, run the GPU tests, run the
 # compute-sanitizer subset, and run the benchmark; every log goes under $OUT.
 #
-#   bash tools/device_run.sh [STAGE ...]        (default: build test sanitize bench)
+#   bash tools/device_run.sh [STAGE ...]        (default: build test sanitize bench; -h: this text)
 #
 # Stages:
 #   build       python setup.py build_ext --inplace (CUDA on; ptxas report in build.log)
@@ -51,6 +51,11 @@
 # then, on the GPU machine, before this script:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -uo pipefail
+
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment block above, without its '#'
+  sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+  exit 0
+fi
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device_out}"
