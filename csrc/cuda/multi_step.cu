@@ -926,7 +926,7 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   // TORCH_SSD_CUDA_MULTI_ORDER=1: a head's tile groups side by side in the grid, as the
   // single-token lean kernel orders its tiles at large T (pick_lean_order). A tuning
   // knob, off by default: on an H200 level at T = 64 and mixed at T = 16 (-8.8..+6.4 % in
-  // time; BENCHMARKS.md, eighth session).
+  // time over two runs; BENCHMARKS.md, eighth session).
   L.tiles_inner = lean_tiles_inner("TORCH_SSD_CUDA_MULTI_ORDER", false, d.H);
   const dim3 grid = lean_grid(L.tiles_inner, d.H, grid_rows, groups);
   switch (path) {
