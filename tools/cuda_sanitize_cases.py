@@ -153,7 +153,6 @@ def multi_cases(pool_dtype, layout, N):
     an out-of-range slot, a duplicate across rows), write_state=False, a varlen row
     without tokens and a tail of tokens no row owns."""
     S, T, K, H, P, G = 28, 4, 3, 4, 8, 2
-    L = T * K + 2
     pool = randn(S, H, P, N, dtype=pool_dtype)
     broadcast = layout == "contiguous"  # with dt in x's type: the lean kernel's case (N = 64)
     fixed = dict(x=randn(T, K, H, P, dtype=torch.bfloat16), z=randn(T, K, H, P, dtype=torch.bfloat16),
