@@ -151,11 +151,6 @@ inline int num_sms() {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// Programmatic dependent launch (sm_90+): a kernel launched with it may be
-// scheduled while the kernel before it in the stream finishes, and waits for that
-// kernel's results (wait_for_prior_grid) only where it first reads or writes global
-// memory -- what it hides is the launch gap between back-to-back steps. On by default
-// where the device has it; TORCH_SSD_CUDA_PDL=0 turns it off (read on every call).
 // Whether the current device is sm_90 or later (read once per device).
 inline bool device_is_sm90() {
   constexpr int kMaxDevices = 64;
@@ -170,6 +165,11 @@ inline bool device_is_sm90() {
   return major[device] >= 9;
 }
 
+// Programmatic dependent launch (sm_90+): a kernel launched with it may be
+// scheduled while the kernel before it in the stream finishes, and waits for that
+// kernel's results (wait_for_prior_grid) only where it first reads or writes global
+// memory -- what it hides is the launch gap between back-to-back steps. On by default
+// where the device has it; TORCH_SSD_CUDA_PDL=0 turns it off (read on every call).
 inline bool use_pdl() {
   if (const char* env = std::getenv("TORCH_SSD_CUDA_PDL")) {
     if (env[0] == '0') return false;

@@ -417,6 +417,7 @@ struct LeanMultiLaunch {
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
 constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (two per warp)
 constexpr int kMaxWidePieces = 2;      // kWidened: pieces of B / C per lane and token
+constexpr int kStoreRowPad = 64;  // bulk stores: bytes between a row and the next in a store buffer (banks)
 
 // How the lean kernel's B and C reach the token loop (pick_bc_path).
 enum class BcPath {
@@ -595,11 +596,11 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   };
 
   // kWidened with bulk stores (L.bulk_stores): two buffers of a tile's rows after the
-  // B / C buffers, a row every store_pitch elements (64 bytes past the row: a warp's
-  // 16-byte writes to neighbouring rows fall in different banks); `stores` counts this
-  // warp's tile stores, whose parity picks the buffer.
+  // B / C buffers, a row every store_pitch elements (kStoreRowPad bytes past the row: a
+  // warp's 16-byte writes to neighbouring rows fall in different banks); `stores` counts
+  // this warp's tile stores, whose parity picks the buffer.
   PoolT* const store_buf = reinterpret_cast<PoolT*>(lean_smem + L.store_smem_offset);
-  const int store_pitch = n_row + 64 / static_cast<int>(sizeof(PoolT));
+  const int store_pitch = n_row + kStoreRowPad / static_cast<int>(sizeof(PoolT));
   uint32_t stores = 0;
 
 #pragma unroll 1
@@ -942,7 +943,7 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
       const size_t bc_bytes = 4 * static_cast<size_t>(d.N) * sizeof(float);
       L.bulk_stores = pick_bulk_stores(d, tokens, static_cast<int>(sizeof(PoolT)));
       L.store_smem_offset = static_cast<int>(bc_bytes);
-      const size_t store_row_bytes = d.N * sizeof(PoolT) + 64;  // the kernel's store_pitch
+      const size_t store_row_bytes = d.N * sizeof(PoolT) + kStoreRowPad;  // the kernel's store_pitch
       const size_t smem = bc_bytes + (L.bulk_stores ? 2 * static_cast<size_t>(L.rows_per_pass) * store_row_bytes : 0);
       allow_smem(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, smem);
       launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, grid, dim3(kWarp), smem, stream, use_pdl(),
