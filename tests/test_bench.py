@@ -5,6 +5,7 @@ multi-token benchmark's (tools/bench_multi.py) A/B of environment settings."""
 import argparse
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -97,6 +98,7 @@ def _load_tool(name):
     path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"tools_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 
@@ -129,3 +131,40 @@ def test_bench_multi_times_each_env_setting_and_the_y_only_form(tmp_path, capsys
     assert "TORCH_SSD_TEST_AB=1:" in printed and "y only (write_state=False)" in printed
     assert "write-only (fill) bandwidth" in printed
     assert "TORCH_SSD_TEST_AB" not in os.environ
+
+
+_NCU_SOURCE_CSV = '''==PROF== Connected to process 1 (python3)
+"Kernel Name","void k(int)",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_short_sb","stall_long_sb (Not Issued)"
+"0x7f0000000100","  LDG.E.U16 R2, desc[UR4][R4.64]","1","40","0","0","0"
+"0x7f0000000110","  IMAD.U32 R0, R2, 0x10000, RZ","30","40","29","1","29"
+"0x7f0000000120","  FFMA R1, R0, R0, R1","6","400","0","5","0"
+"0x7f0000000130","  @P0   BRA 0x7f0000000120","3","400","0","0","0"
+"0x7f0000000140","  EXIT","0","0","0","0","0"
+==PROF== Disconnected from process 1
+'''
+
+
+def test_ncu_source_summary_groups_instructions_by_executions_and_ranks_stalls(tmp_path, capsys):
+    summary = _load_tool("ncu_source_summary")
+    kernel, instructions = summary.parse(_NCU_SOURCE_CSV)
+    assert kernel == "void k(int)"
+    assert [(i.offset, i.opcode, i.executed) for i in instructions] == [
+        (0x0, "LDG.E.U16", 40), (0x10, "IMAD.U32", 40), (0x20, "FFMA", 400), (0x30, "BRA", 400), (0x40, "EXIT", 0)]
+    assert instructions[1].stalls == {"long_sb": 29, "short_sb": 1}  # the Not-Issued column is not a reason
+    text = summary.report(kernel, instructions, top=2)
+    lines = text.splitlines()
+    groups = [line.split() for line in lines[lines.index(next(x for x in lines if x.strip().startswith("executions"))) + 1:]
+              if line.strip() and line.split()[0].replace(",", "").isdigit()][:2]
+    # 800 of 880 executions in the loop (two instructions, 400 each), 9 of 40 samples
+    assert groups[0][:4] == ["400", "2", "90.9", "22.5"] and groups[1][:4] == ["40", "2", "9.1", "77.5"]
+    top = lines[-2:]
+    assert top[0].split()[:5] == ["0x10", "75.0", "40", "long_sb", "97"] and "IMAD.U32 R0" in top[0]
+    assert top[1].split()[:3] == ["0x20", "15.0", "400"] and "short_sb 83 %" in top[1]
+    path = tmp_path / "source.csv"
+    path.write_text(_NCU_SOURCE_CSV)
+    assert summary.main([str(path), "--top", "1"]) == 0
+    assert "IMAD.U32 R0" in capsys.readouterr().out
+    path.write_text("Metric Name,Metric Value\nDuration,1\n")  # a details page, not the source page
+    assert summary.main([str(path)]) == 2
+    assert "Address" in capsys.readouterr().err

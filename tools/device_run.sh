@@ -30,6 +30,11 @@
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
 #               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
+#   ncu-source  per NCU_CASES entry (default the bfloat16 single-token lean kernel): the stall
+#               reasons in full, and the per-instruction (SASS) page as CSV (ncu-source-<i>.csv)
+#               summarised by tools/ncu_source_summary.py (instructions and stall samples by how
+#               often each instruction runs: per block, tile, token; the top stalling ones), in
+#               ncu-source.txt
 #   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
 #   bench-quick the same without torch.compile(reference)
 #   bench-multi tools/bench_multi.py (multi-token step; no reference timings), MULTI_ARGS extra
@@ -211,6 +216,25 @@ for stage in "${STAGES[@]}"; do
           --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
           ${NCU_ARGS:-} \
           "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}"
+      done
+      ;;
+    ncu-source)
+      i=0
+      for case in ${NCU_CASES:-80,64,128,1:bf16:64:lean}; do
+        IFS=: read -r shape pool T config K <<<"$case"
+        kernel=decode_step
+        [[ -n "$K" ]] && kernel=multi_step
+        one=(ncu --clock-control none --kernel-name regex:$kernel --launch-skip 4 --launch-count 1)
+        profiled=("$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}")
+        csv="$OUT/ncu-source-$i.csv"
+        echo "=== case $i: $case" >>"$OUT/ncu-source.txt"
+        run_stage "ncu-source" "$OUT/ncu-source.txt" "${TO[@]}" "${one[@]}" --section WarpStateStats \
+          --print-details all "${profiled[@]}"
+        # The per-instruction page as CSV into its own file (bash -c: the redirection inside the timeout).
+        run_stage "ncu-source" "$OUT/ncu-source.txt" "${TO[@]}" bash -c '"$@" >"$0"' "$csv" "${one[@]}" \
+          --section SourceCounters --page source --print-source sass --csv "${profiled[@]}" &&
+          "$PY" tools/ncu_source_summary.py "$csv" >>"$OUT/ncu-source.txt" 2>&1
+        i=$((i + 1))
       done
       ;;
     bench)
