@@ -762,7 +762,10 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
             acc[r] = accumulate_y(acc[r], st[r][j][v], cc[v]);
           }
       }
-      // The next token's (next group's) loads go out before this token's stores.
+      // The next token's (next group's) loads go out before this token's stores. (The next
+      // group's x, dt, z issued a group earlier, as this group starts, measured level on an
+      // H200; issuing a tile's x, dt, z before its A / D / dt_bias, mostly slower (up to 11 %):
+      // ninth session.)
       const bool group_ends = jt == map.lanes - 1 || k + 1 == count;
       if (k + 1 < count) {
         if constexpr (kRegisters) {
@@ -863,7 +866,9 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
 // Tiles along P per warp of the lean kernel (TORCH_SSD_CUDA_MULTI_TILES=1..64
 // overrides): as many as keep at least kMinWaves waves of warps at warps_per_sm
 // (what the kernel's registers allow), so that the first window's decision and the row's slots serve
-// several tiles without leaving multiprocessors idle at the end.
+// several tiles without leaving multiprocessors idle at the end. More, smaller groups (at
+// least 6 or 12 waves: a fuller last wave) measured level or up to 11 % slower on an H200
+// (BENCHMARKS.md, ninth session).
 int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm) {
   const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
   const int forced = env ? std::atoi(env) : 0;
