@@ -22,11 +22,13 @@
 #   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
 #               + per-row inputs, + B / C, full; rows and full also with a head's tiles side by
 #               side in the grid), each part's share of the copy, in parts.log
-#   build-base, tune-base
-#               the same two in BASE_TREE, a plain copy of an earlier commit made before the
+#   build-base, tune-base, bench-base, bench-quick-base, bench-multi-base
+#               the same stages in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
-#               after in one call; logs build-base.log, tune-base.log (build-base may run
-#               alongside build in a second process given its own OUT)
+#               after in one call; logs build-base.log, tune-base.log, bench-base.log,
+#               bench-multi-base.log (build-base may run alongside build in a second process
+#               given its own OUT; list a pair twice, e.g. "bench-quick bench-quick-base
+#               bench-quick bench-quick-base", to see the run-to-run noise)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
 #               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
@@ -106,6 +108,13 @@ env_info() {
 BUDGET_S="${BUDGET_S:-0}"
 MIN_STAGE_S="${MIN_STAGE_S:-30}"
 left() { echo $((BUDGET_S - SECONDS)); }
+# Into BASE_TREE for a *-base stage; a missing tree fails the stage (status 2) instead of the script.
+enter_base() {
+  [[ -d "${BASE_TREE:-}" ]] && pushd "$BASE_TREE" >/dev/null && return 0
+  echo "$1: BASE_TREE '${BASE_TREE:-}' is not a directory (make it before the call, see -h)"
+  record "$1" 2 0
+  return 1
+}
 
 for stage in "${STAGES[@]}"; do
   if [[ $BUDGET_S -gt 0 ]]; then
@@ -134,8 +143,7 @@ for stage in "${STAGES[@]}"; do
         done
       fi
       if [[ $stage == build-base ]]; then
-        [[ -d "${BASE_TREE:-}" ]] || { record "$stage" 2 0; echo "build-base: BASE_TREE '${BASE_TREE:-}' is not a directory"; continue; }
-        pushd "$BASE_TREE" >/dev/null
+        enter_base "$stage" || continue
         log="$OUT/build-base.log"
       else
         log="$OUT/build.log"
@@ -195,8 +203,8 @@ for stage in "${STAGES[@]}"; do
       run_stage parts "$OUT/parts.log" "${TO[@]}" "$PY" tools/cuda_step_parts.py ${PARTS_ARGS:-}
       ;;
     tune-base)
-      pushd "${BASE_TREE:?the tree build-base built}" >/dev/null &&
-        run_stage tune-base "$OUT/tune-base.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
+      enter_base "$stage" || continue
+      run_stage tune-base "$OUT/tune-base.log" "${TO[@]}" "$PY" tools/cuda_tune.py ${TUNE_ARGS:-}
       popd >/dev/null
       ;;
     probe)
@@ -237,21 +245,26 @@ for stage in "${STAGES[@]}"; do
         i=$((i + 1))
       done
       ;;
-    bench)
-      run_stage bench "$OUT/bench.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress \
-        --json "$OUT/bench.json" ${BENCH_ARGS:-}
+    bench | bench-quick | bench-base | bench-quick-base)
+      # *-base: the same in BASE_TREE (built by build-base), logs bench-base.log / .json.
+      log=bench
+      if [[ $stage == *-base ]]; then enter_base "$stage" || continue; log=bench-base; fi
+      compile=()
+      [[ $stage == bench-quick* ]] && compile=(--no-compile)
+      run_stage "$stage" "$OUT/$log.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress "${compile[@]}" \
+        --json "$OUT/$log.json" ${BENCH_ARGS:-}
+      [[ $stage == *-base ]] && popd >/dev/null
       ;;
-    bench-quick)
-      run_stage bench "$OUT/bench.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress --no-compile \
-        --json "$OUT/bench.json" ${BENCH_ARGS:-}
-      ;;
-    bench-multi | bench-multi-block)
-      # bench-multi-block: the same with the lean kernels off (TORCH_SSD_CUDA_KERNEL=block), for comparison.
+    bench-multi | bench-multi-block | bench-multi-base)
+      # bench-multi-block: the same with the lean kernels off (TORCH_SSD_CUDA_KERNEL=block), for comparison;
+      # bench-multi-base: the same in BASE_TREE.
       kernel=""
       [[ $stage == bench-multi-block ]] && kernel=block
+      if [[ $stage == bench-multi-base ]]; then enter_base "$stage" || continue; fi
       run_stage "$stage" "$OUT/$stage.log" "${TO[@]}" env TORCH_SSD_CUDA_KERNEL="$kernel" "$PY" tools/bench_multi.py \
         --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" --json "$OUT/$stage.json" \
         ${MULTI_ARGS:-}
+      [[ $stage == bench-multi-base ]] && popd >/dev/null
       ;;
     bench-multi-bc)
       for path in ${BC_PATHS:-registers staged widened}; do
