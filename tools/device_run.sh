@@ -8,7 +8,8 @@
 #   build       python setup.py build_ext --inplace (CUDA on; ptxas report in build.log)
 #   test        pytest tests -q (the suite parametrizes over "cuda"), tests/test_cuda.py included;
 #               -n TEST_WORKERS (default 8) through pytest-xdist when present; Python
-#               tracebacks on a crash (faulthandler)
+#               tracebacks on a crash (faulthandler); the counts also from a JUnit report (a
+#               line "junit: N passed, ..." even where a cap cut pytest's own summary)
 #   sanitize    compute-sanitizer memcheck + racecheck on tools/cuda_sanitize_cases.py,
 #               memcheck on tools/replay_fuzz_corpus.py (when present); the three
 #               parts alone: memcheck, racecheck, fuzz
@@ -171,8 +172,22 @@ for stage in "${STAGES[@]}"; do
     test)
       XDIST=()
       "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}")
+      junit="$(mktemp -d)/junit.xml"
       run_stage test "$OUT/test.log" "${TO[@]}" "$PY" -X faulthandler -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider \
-        --timeout=600 -rfE "${XDIST[@]}" ${TEST_ARGS:-}
+        --timeout=600 -rfE --junitxml="$junit" "${XDIST[@]}" ${TEST_ARGS:-}
+      # The counts from the JUnit report, written when the tests end: they survive a cap
+      # that interrupts pytest's exit (torch's compile workers can take a while to stop).
+      # The report stays outside $OUT (a device call returns at most 8 files).
+      "$PY" - "$junit" <<'PYEOF' 2>&1 | tee -a "$OUT/test.log"
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError) as e:
+    sys.exit(f"junit: no report ({e})")
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+n, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+print(f"junit: {n - f - e - s} passed, {f} failed, {e} errors, {s} skipped")
+PYEOF
       ;;
     sanitize | memcheck | racecheck | fuzz)
       log="$OUT/sanitize.log"
