@@ -37,7 +37,7 @@
 #               reasons in full, and the per-instruction (SASS) page as CSV (ncu-source-<i>.csv)
 #               summarised by tools/ncu_source_summary.py (instructions and stall samples by how
 #               often each instruction runs: per block, tile, token; the top stalling ones), in
-#               ncu-source.txt
+#               ncu-source.txt (each case's CSV is one more file back: a call returns at most 8)
 #   bench       python -m torch_ssd (op, CUDA graph, eager and compiled reference, copy)
 #   bench-quick the same without torch.compile(reference)
 #   bench-multi tools/bench_multi.py (multi-token step; no reference timings), MULTI_ARGS extra
