@@ -109,6 +109,15 @@ env_info() {
 BUDGET_S="${BUDGET_S:-0}"
 MIN_STAGE_S="${MIN_STAGE_S:-30}"
 left() { echo $((BUDGET_S - SECONDS)); }
+# One NCU_CASES entry ("shape:pool:T:config[:K]"): ncu_one, Nsight Compute on one launch of
+# its kernel (the multi-token one when K is given), and profiled, the program it launches.
+ncu_case() {
+  local shape pool T config K kernel=decode_step
+  IFS=: read -r shape pool T config K <<<"$1"
+  [[ -n "$K" ]] && kernel=multi_step
+  ncu_one=(ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 4 --launch-count 1)
+  profiled=("$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}")
+}
 # Into BASE_TREE for a *-base stage; a missing tree fails the stage (status 2) instead of the script.
 enter_base() {
   [[ -d "${BASE_TREE:-}" ]] && pushd "$BASE_TREE" >/dev/null && return 0
@@ -231,30 +240,22 @@ PYEOF
       ;;
     ncu)
       for case in ${NCU_CASES:-80,64,128,1:fp32:64:pipe 80,64,128,1:bf16:64:pipe}; do
-        IFS=: read -r shape pool T config K <<<"$case"
-        kernel=decode_step
-        [[ -n "$K" ]] && kernel=multi_step
-        run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" ncu --clock-control none --kernel-name regex:$kernel \
-          --launch-skip 4 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        ncu_case "$case"
+        run_stage "ncu" "$OUT/ncu.txt" "${TO[@]}" "${ncu_one[@]}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
-          ${NCU_ARGS:-} \
-          "$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}"
+          ${NCU_ARGS:-} "${profiled[@]}"
       done
       ;;
     ncu-source)
       i=0
       for case in ${NCU_CASES:-80,64,128,1:bf16:64:lean}; do
-        IFS=: read -r shape pool T config K <<<"$case"
-        kernel=decode_step
-        [[ -n "$K" ]] && kernel=multi_step
-        one=(ncu --clock-control none --kernel-name regex:$kernel --launch-skip 4 --launch-count 1)
-        profiled=("$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}")
+        ncu_case "$case"
         csv="$OUT/ncu-source-$i.csv"
         echo "=== case $i: $case" >>"$OUT/ncu-source.txt"
-        run_stage "ncu-source" "$OUT/ncu-source.txt" "${TO[@]}" "${one[@]}" --section WarpStateStats \
+        run_stage "ncu-source" "$OUT/ncu-source.txt" "${TO[@]}" "${ncu_one[@]}" --section WarpStateStats \
           --print-details all "${profiled[@]}"
         # The per-instruction page as CSV into its own file (bash -c: the redirection inside the timeout).
-        run_stage "ncu-source" "$OUT/ncu-source.txt" "${TO[@]}" bash -c '"$@" >"$0"' "$csv" "${one[@]}" \
+        run_stage "ncu-source" "$OUT/ncu-source.txt" "${TO[@]}" bash -c '"$@" >"$0"' "$csv" "${ncu_one[@]}" \
           --section SourceCounters --page source --print-source sass --csv "${profiled[@]}" &&
           "$PY" tools/ncu_source_summary.py "$csv" >>"$OUT/ncu-source.txt" 2>&1
         i=$((i + 1))
