@@ -388,11 +388,21 @@ __device__ __forceinline__ float row_sum(float v, int lanes) {
   return v;
 }
 
-// An element of x, z, dt or y in the inputs' type InT (a lean kernel's host check),
-// `shift` elements on (a later token of a multi-token row).
-template <typename InT>
-__device__ __forceinline__ float load_in(const OperandRef& o, int64_t t, int64_t h, int64_t p, int64_t shift = 0) {
-  return widen(static_cast<const InT*>(o.data)[shift + t * o.stride[0] + h * o.stride[1] + p * o.stride[2]]);
+// A per-channel scalar whose type is known only at run time (dt_bias, D, A), in two
+// steps: its bits, with no branch around the load (an absent operand reads as 0), then
+// its value. A kernel issues all of its scalars' loads before converting any: a load
+// and its conversion inside one branch (load_scalar's switch, or `if (present)`) make
+// the warp wait for that load before the next one goes out.
+__device__ __forceinline__ uint32_t scalar_bits(const OperandRef& o, int64_t i0, int64_t i1) {
+  const int64_t at = i0 * o.stride[0] + i1 * o.stride[1];
+  if (!o.present()) return 0u;
+  return o.dtype == Dtype::kFloat32 ? static_cast<const uint32_t*>(o.data)[at]
+                                    : static_cast<const uint16_t*>(o.data)[at];
+}
+__device__ __forceinline__ float scalar_value(uint32_t bits, Dtype dtype) {
+  if (dtype == Dtype::kBFloat16) return __uint_as_float(bits << 16);
+  if (dtype == Dtype::kFloat16) return widen(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
+  return __uint_as_float(bits);
 }
 
 #endif  // __CUDACC__

@@ -438,16 +438,35 @@ struct LeanLaunch {
   bool tiles_inner = false;  // grid (tiles, H, T) instead of (H, T, tiles) (pick_lean_order)
 };
 
-// x, z and dt of (t, h, p) in the inputs' type InT, the rest as decode_step_kernel
-// reads them.
+// The lean kernel's per-channel inputs of (t, h, p) in two steps: every load issued
+// (load_channel_bits: x, dt, z in the inputs' type InT, dt_bias, D and A as bits; a
+// missing z reads x's element again and is dropped), the state rows' loads issued after
+// them, and only then the conversions (channel_inputs). A conversion next to its load
+// inside a branch (load_scalar's switch, `if (z present)`) made the warp wait for each
+// load in turn, and the rows' loads went out after all of them.
 template <typename InT>
-__device__ __forceinline__ ChannelInputs load_channel_in(const StepParams& s, int64_t t, int64_t h, int64_t p) {
+struct ChannelBits {
+  InT x, dt, z;
+  uint32_t dt_bias, D, A;
+};
+template <typename InT>
+__device__ __forceinline__ ChannelBits<InT> load_channel_bits(const StepParams& s, int64_t t, int64_t h, int64_t p) {
+  auto at = [&](const OperandRef& o) {
+    return static_cast<const InT*>(o.data) + (t * o.stride[0] + h * o.stride[1] + p * o.stride[2]);
+  };
+  const InT* x = at(s.x);
+  const InT* z = s.z.present() ? at(s.z) : x;
+  return {*x, *at(s.dt), *z, scalar_bits(s.dt_bias, h, p), scalar_bits(s.D, h, p), scalar_bits(s.A, h, p)};
+}
+template <typename InT>
+__device__ __forceinline__ ChannelInputs channel_inputs(const StepParams& s, const ChannelBits<InT>& b, float* a) {
   ChannelInputs in;
-  in.x = load_in<InT>(s.x, t, h, p);
-  in.dt = load_in<InT>(s.dt, t, h, p);
-  if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p);
-  if (s.D.present()) in.D = s.D.at(h, p);
-  if (s.z.present()) in.z = load_in<InT>(s.z, t, h, p);
+  in.x = widen(b.x);
+  in.dt = widen(b.dt);
+  in.z = s.z.present() ? widen(b.z) : 0.0f;
+  in.dt_bias = scalar_value(b.dt_bias, s.dt_bias.dtype);
+  in.D = scalar_value(b.D, s.D.dtype);
+  *a = scalar_value(b.A, s.A.dtype);
   return in;
 }
 
@@ -543,8 +562,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   const int64_t src = s.src.slot(t, t);
 
   // What does not depend on the slot is fetched while the slot index is in flight.
-  const ChannelInputs in = load_channel_in<InT>(s, t, h, p_own);
-  const float a_own = s.A.at(h, p_own);
+  const ChannelBits<InT> bits = load_channel_bits<InT>(s, t, h, p_own);
   if (!slot_addressable(src, s.S, s.pad_slot_id)) {  // pad row: y = 0, the pool untouched
     if (own_valid) *y_at(p_own) = narrow<InT>(0.0f);
     return;  // the whole block leaves (src is the block's): no shuffle is left waiting
@@ -567,6 +585,8 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // Every lane of the warp takes part in the vote, whether or not its rows exist.
   const bool last = warp_last_writer(s.dst, s.src, true, s.T, s.S, s.pad_slot_id, t, dst);
   PoolT* dst_row0 = pool + s.pool_offset(dst, h, p_first) + li * VEC;
+  float a_own;
+  const ChannelInputs in = channel_inputs(s, bits, &a_own);
   const float dtv_own = channel_dt(s, in);
   const float dtx_own = dtv_own * in.x;
   const float dA_own = decay(a_own, dtv_own);

@@ -665,14 +665,19 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     float nx[kRows], ndt[kRows], nz[kRows];  // x, dt, z of the pairs' next token (clamped to the row)
     const InT* const x_own = pair_in(s.x, p_own);
     const InT* const dt_own = pair_in(s.dt, p_own);
-    const InT* const z_own = s.z.present() ? pair_in(s.z, p_own) : nullptr;
+    // Without z its loads read x's first element (an absent operand's strides and z_tok
+    // are 0) and the value is dropped: no branch around them, so a group's loads go out
+    // together (a load and its conversion under `if (z)` made the warp wait for it there).
+    const bool has_z = s.z.present();
+    const InT* const z_own = has_z ? pair_in(s.z, p_own) : x_own;
     auto load_pair = [&](int64_t k) {
       const int64_t kr = k < count ? k : count - 1;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         nx[r] = widen(half_at(x_own, s.x.stride[2], r, own_valid[r])[kr * m.x_tok]);
         ndt[r] = widen(half_at(dt_own, s.dt.stride[2], r, own_valid[r])[kr * m.dt_tok]);
-        nz[r] = z_own ? widen(half_at(z_own, s.z.stride[2], r, own_valid[r])[kr * m.z_tok]) : 0.0f;
+        const float zv = widen(half_at(z_own, s.z.stride[2], r, own_valid[r])[kr * m.z_tok]);
+        nz[r] = has_z ? zv : 0.0f;
       }
     };
 #pragma unroll
