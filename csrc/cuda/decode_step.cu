@@ -580,6 +580,21 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // row loaded up front.
 #pragma unroll
   for (int r = 0; r < (kStream ? 1 : kRows); ++r) load_row(r, st[r]);
+  // Held 16-bit B and C chunks (kHoldBC, below) are loaded here, beside the rows, as
+  // raw bits: loaded where they are widened, they went out only after the destination
+  // slot's load had come back (the last-writer check branches on it), one more L2 round
+  // trip in a T = 1 step's chain. (float32 ones would take twice the registers across
+  // that wait: 120 bytes of spills for float32 pools.)
+  constexpr bool kEarlyBC = kHoldBC && sizeof(InT) == 2;
+  RawChunk<VEC, InT> b_raw[kEarlyBC ? KB : 1], c_raw[kEarlyBC ? KB : 1];
+  if constexpr (kEarlyBC) {
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      const int c = j * m.lanes + li;
+      b_raw[j] = load_raw_shared<VEC>(b_row + c * VEC);
+      c_raw[j] = load_raw_shared<VEC>(c_row + c * VEC);
+    }
+  }
 
   const int64_t dst = s.dst.slot(t, t);
   // Every lane of the warp takes part in the vote, whether or not its rows exist.
@@ -617,7 +632,13 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
     __syncwarp();
   }
   float b_held[kHoldBC ? KB : 1][VEC], c_held[kHoldBC ? KB : 1][VEC];
-  if constexpr (kHoldBC) {
+  if constexpr (kEarlyBC) {
+#pragma unroll
+    for (int j = 0; j < KB; ++j) {
+      widen_raw(b_raw[j], b_held[j]);
+      widen_raw(c_raw[j], c_held[j]);
+    }
+  } else if constexpr (kHoldBC) {
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
       const int c = j * m.lanes + li;
