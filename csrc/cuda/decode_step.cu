@@ -617,6 +617,8 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // (kHoldBC); else loaded (from L1) and widened per row.
   // kSharedBC: the block's one warp widens B and C into shared memory (B's N floats,
   // then C's), each lane a 32nd of the chunks; every lane then reads its chunks there.
+  // (Loading each lane's first chunk beside the rows, as kEarlyBC does, measured 1-3 %
+  // slower at T = 64 and 256 on an H200: BENCHMARKS.md, tenth session.)
   extern __shared__ __align__(16) float lean_bc[];
   if constexpr (kSharedBC) {
     const int chunks = static_cast<int>(s.N) / VEC;
