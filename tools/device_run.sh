@@ -27,9 +27,9 @@
 #               the same stages in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
 #               after in one call; logs build-base.log, tune-base.log, bench-base.log,
-#               bench-multi-base.log (build-base may run alongside build in a second process
-#               given its own OUT; list a pair twice, e.g. "bench-quick bench-quick-base
+#               bench-multi-base.log (list a pair twice, e.g. "bench-quick bench-quick-base
 #               bench-quick bench-quick-base", to see the run-to-run noise)
+#   builds      build and build-base at once (build-base in a second run of this script)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
 #               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
@@ -50,7 +50,8 @@
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
 # (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / PATTERN_ARGS /
 # PARTS_ARGS (extra arguments),
-# FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build).
+# FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build),
+# PACK=1 (at the end, everything under OUT packed into OUT/device_out.tgz, nothing else left).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
 #
 # The test stage needs pytest, pytest-timeout and expecttest. A machine without
@@ -65,6 +66,7 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment block abo
   exit 0
 fi
 
+SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
@@ -126,6 +128,48 @@ enter_base() {
   return 1
 }
 
+# One build stage: build (here) or build-base (in BASE_TREE). Status 0 when it built.
+build_stage() {
+  local stage=$1 log
+  # TORCH_SSD_SYSTEM_CXX=1 (the default; 0 turns it off): build with the system
+  # gcc/g++ instead of $CC/$CXX. On this
+  # workplace's CUDA image $CXX is a wrapper (/opt/gcc/bin/g++) whose links put a
+  # static copy of libstdc++ into the extension; refused calls then crashed in
+  # libstdc++'s number formatting (two copies of its locale state in one process).
+  if [[ "${TORCH_SSD_SYSTEM_CXX:-1}" == 1 ]]; then
+    for c in /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14; do
+      [[ -x $c ]] && export CXX=$c CC=${c/g++/gcc} && break
+    done
+  fi
+  if [[ $stage == build-base ]]; then
+    enter_base "$stage" || return 2
+    log="$OUT/build-base.log"
+  else
+    log="$OUT/build.log"
+    env_info >"$OUT/env.txt" 2>&1
+    { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1; file -L "${CXX:-g++}"; } >>"$OUT/env.txt" 2>&1
+    cat "$OUT/env.txt"
+  fi
+  # A CPU-only _C*.so carried from elsewhere must not shadow this build.
+  rm -f torch_ssd/_C*.so
+  # TORCH_SSD_CPU_CLONES=0, TORCH_SSD_CPU_OPT=1: the CPU kernels without their AVX2 /
+  # AVX-512 clones, at -O1 (ssd_cpu.cpp is otherwise the build's longest file by
+  # minutes; here the CPU kernels only cross-check, and give the same results).
+  local rc=0
+  QUIET=1 run_stage "$stage" "$log" "${TO[@]}" env TORCH_SSD_CUDA=1 TORCH_SSD_PTXAS_V=1 MAX_JOBS="$(nproc)" \
+    TORCH_SSD_CPU_CLONES="${TORCH_SSD_CPU_CLONES:-0}" TORCH_SSD_CPU_OPT="${TORCH_SSD_CPU_OPT:-1}" \
+    "$PY" setup.py build_ext --inplace || { rc=1; grep -E -B2 -A8 "error" "$log" | head -n 80; }
+  if [[ $stage == build-base ]]; then
+    popd >/dev/null
+    return "$rc"
+  fi
+  [[ $rc -ne 0 ]] && return "$rc"
+  grep -E "registers|spill" "$log" | sort | uniq -c | sort -rn | head -n 20
+  { echo "=== libraries and libstdc++ copies in the extension"; readelf -d torch_ssd/_C*.so | grep NEEDED
+    echo "libstdc++ stream code defined inside: $(nm -C --defined-only torch_ssd/_C*.so | grep -c 'basic_ostream')"
+  } 2>&1 | tee -a "$OUT/env.txt"
+}
+
 for stage in "${STAGES[@]}"; do
   if [[ $BUDGET_S -gt 0 ]]; then
     if [[ $(left) -lt $MIN_STAGE_S ]]; then
@@ -142,41 +186,22 @@ for stage in "${STAGES[@]}"; do
   fi
   case "$stage" in
     build | build-base)
-      # TORCH_SSD_SYSTEM_CXX=1 (the default; 0 turns it off): build with the system
-      # gcc/g++ instead of $CC/$CXX. On this
-      # workplace's CUDA image $CXX is a wrapper (/opt/gcc/bin/g++) whose links put a
-      # static copy of libstdc++ into the extension; refused calls then crashed in
-      # libstdc++'s number formatting (two copies of its locale state in one process).
-      if [[ "${TORCH_SSD_SYSTEM_CXX:-1}" == 1 ]]; then
-        for c in /usr/bin/g++ /usr/bin/g++-13 /usr/bin/g++-14; do
-          [[ -x $c ]] && export CXX=$c CC=${c/g++/gcc} && break
-        done
-      fi
-      if [[ $stage == build-base ]]; then
-        enter_base "$stage" || continue
-        log="$OUT/build-base.log"
-      else
-        log="$OUT/build.log"
-        env_info >"$OUT/env.txt" 2>&1
-        { echo "CC=${CC:-} CXX=${CXX:-}"; "${CXX:-g++}" --version | head -n 1; file -L "${CXX:-g++}"; } >>"$OUT/env.txt" 2>&1
-        cat "$OUT/env.txt"
-      fi
-      # A CPU-only _C*.so carried from elsewhere must not shadow this build.
-      rm -f torch_ssd/_C*.so
-      # TORCH_SSD_CPU_CLONES=0, TORCH_SSD_CPU_OPT=1: the CPU kernels without their AVX2 /
-      # AVX-512 clones, at -O1 (ssd_cpu.cpp is otherwise the build's longest file by
-      # minutes; here the CPU kernels only cross-check, and give the same results).
-      QUIET=1 run_stage "$stage" "$log" "${TO[@]}" env TORCH_SSD_CUDA=1 TORCH_SSD_PTXAS_V=1 MAX_JOBS="$(nproc)" \
-        TORCH_SSD_CPU_CLONES="${TORCH_SSD_CPU_CLONES:-0}" TORCH_SSD_CPU_OPT="${TORCH_SSD_CPU_OPT:-1}" \
-        "$PY" setup.py build_ext --inplace || { grep -E -B2 -A8 "error" "$log" | head -n 80; [[ $stage == build ]] && break; }
-      if [[ $stage == build-base ]]; then
-        popd >/dev/null
-        continue
-      fi
-      grep -E "registers|spill" "$log" | sort | uniq -c | sort -rn | head -n 20
-      { echo "=== libraries and libstdc++ copies in the extension"; readelf -d torch_ssd/_C*.so | grep NEEDED
-        echo "libstdc++ stream code defined inside: $(nm -C --defined-only torch_ssd/_C*.so | grep -c 'basic_ostream')"
-      } 2>&1 | tee -a "$OUT/env.txt"
+      build_stage "$stage" || { [[ $stage == build ]] && break; }
+      ;;
+    builds)
+      # build and build-base at once: build-base in a second run of this script (its own
+      # OUT folder; its log and summary line moved here after), build in this one.
+      base_out="$OUT/.build-base"
+      mkdir -p "$base_out"
+      OUT="$base_out" BUDGET_S=0 PACK=0 "${TO[@]}" bash "$SELF" build-base >"$base_out/stdout.txt" 2>&1 &
+      base_pid=$!
+      build_stage build
+      build_rc=$?
+      wait "$base_pid" || { status=1; tail -n 20 "$base_out/stdout.txt"; }
+      mv -f "$base_out/build-base.log" "$OUT/build-base.log" 2>/dev/null
+      tee -a "$SUMMARY" <"$base_out/summary.txt"
+      rm -rf "$base_out"
+      [[ $build_rc -ne 0 ]] && break
       ;;
     test)
       XDIST=()
@@ -298,4 +323,10 @@ done
 
 echo "=== summary"
 cat "$SUMMARY"
+# PACK=1: everything under $OUT in one archive, $OUT/device_out.tgz, and nothing else
+# beside it (a device call returns at most 8 files).
+if [[ "${PACK:-0}" == 1 ]]; then
+  pack="$(mktemp -d)/device_out.tgz"
+  tar czf "$pack" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$pack" "$OUT/device_out.tgz"
+fi
 exit "$status"
