@@ -583,8 +583,8 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // Held 16-bit B and C chunks (kHoldBC, below) are loaded here, beside the rows, as
   // raw bits: loaded where they are widened, they went out only after the destination
   // slot's load had come back (the last-writer check branches on it), one more L2 round
-  // trip in a T = 1 step's chain. (float32 ones would take twice the registers across
-  // that wait: 120 bytes of spills for float32 pools.)
+  // trip in a T = 1 step's chain. (float32 B / C would hold twice the registers across
+  // that wait: 120 bytes of spills in the float32-pool, float32-input kernel.)
   constexpr bool kEarlyBC = kHoldBC && sizeof(InT) == 2;
   RawChunk<VEC, InT> b_raw[kEarlyBC ? KB : 1], c_raw[kEarlyBC ? KB : 1];
   if constexpr (kEarlyBC) {
