@@ -197,9 +197,16 @@ for stage in "${STAGES[@]}"; do
       base_pid=$!
       build_stage build
       build_rc=$?
-      wait "$base_pid" || { status=1; tail -n 20 "$base_out/stdout.txt"; }
+      # Its status line joins this summary; on a failure, the end of its output (which
+      # holds that line) is shown instead.
+      if wait "$base_pid"; then
+        tee -a "$SUMMARY" <"$base_out/summary.txt"
+      else
+        status=1
+        sed '/^=== summary/,$d' "$base_out/stdout.txt" | tail -n 20
+        cat "$base_out/summary.txt" >>"$SUMMARY"
+      fi
       mv -f "$base_out/build-base.log" "$OUT/build-base.log" 2>/dev/null
-      tee -a "$SUMMARY" <"$base_out/summary.txt"
       rm -rf "$base_out"
       [[ $build_rc -ne 0 ]] && break
       ;;
