@@ -47,8 +47,16 @@ def scratch(tmp_path):
     return tree, fake
 
 
+# Settings device_run.sh reads: the caller's own (e.g. PACK=1 when this file runs inside a device
+# call) must not leak into these runs.
+SCRIPT_SETTINGS = ("OUT", "PACK", "PYTHON", "BASE_TREE", "BUDGET_S", "TEST_CAP_S", "TEST_PATHS",
+                   "TEST_ARGS", "TEST_WORKERS", "BENCH_ARGS", "TUNE_ARGS", "PATTERN_ARGS", "PARTS_ARGS",
+                   "MULTI_ARGS", "MULTI_BUDGET", "BC_PATHS", "FUZZ_CASES", "NCU_CASES", "NCU_ARGS")
+
+
 def run(tree, fake, out, stages, **env):
-    full = dict(os.environ, PYTHON=str(fake), OUT=str(out), BASE_TREE=".ab_base")
+    full = {k: v for k, v in os.environ.items() if k not in SCRIPT_SETTINGS}
+    full.update(PYTHON=str(fake), OUT=str(out), BASE_TREE=".ab_base")
     full.update(env)
     return subprocess.run(["bash", "tools/device_run.sh", *stages], cwd=tree, env=full,
                           capture_output=True, text=True, timeout=120)
