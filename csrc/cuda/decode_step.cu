@@ -436,6 +436,7 @@ struct LeanLaunch {
   uint32_t heads_per_group = 1;
   bool prefetch = false;  // warm L2 with the state rows before the wait (pick_prefetch)
   bool tiles_inner = false;  // grid (tiles, H, T) instead of (H, T, tiles) (pick_lean_order)
+  bool touch_params = false;  // read every line of the parameters first (touch_param_lines)
 };
 
 // The lean kernel's per-channel inputs of (t, h, p) in two steps: every load issued
@@ -551,6 +552,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // start after the previous kernel has ended, and the prefetches only add requests
   // (measured 1-5 points of copy bandwidth lost at T = 16 and 64 on an H200).
   // (Prefetching the inputs' lines as well measured level: +-0.3 us at T = 1.)
+  if (L.touch_params) touch_param_lines(s);
   if (L.prefetch) {
     const int64_t guess = peek_slot(s.src, t);
     if (own_valid && slot_addressable(guess, s.S, s.pad_slot_id))
@@ -893,6 +895,15 @@ bool pick_prefetch(int64_t blocks, int per_sm) {
   return use_pdl() && blocks <= static_cast<int64_t>(per_sm) * num_sms();
 }
 
+// Whether the lean kernel reads its whole parameter block first (touch_param_lines):
+// where its grid is resident at once (`whole_grid`, as for pick_prefetch), every block
+// starts on a cold constant cache. TORCH_SSD_CUDA_TOUCH_PARAMS=0 / =1 forces it.
+bool pick_touch_params(bool whole_grid) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_TOUCH_PARAMS");
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return whole_grid;
+}
+
 template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
 void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
   auto kernel = decode_step_lean<PoolT, InT, kRows, KB, kSharedBC>;
@@ -907,6 +918,7 @@ void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, c
   const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
   L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
   L.tiles_inner = pick_lean_order(d);
+  L.touch_params = pick_touch_params(L.prefetch);
   const dim3 grid = lean_grid(L.tiles_inner, d.H, d.T, tiles);
   const size_t smem = kSharedBC ? 2 * static_cast<size_t>(d.N) * sizeof(float) : 0;
   if constexpr (kSharedBC) allow_smem(kernel, smem);
