@@ -420,7 +420,7 @@ __device__ __forceinline__ uint32_t scalar_bits(const OperandRef& o, int64_t i0,
                                     : static_cast<const uint16_t*>(o.data)[at];
 }
 __device__ __forceinline__ float scalar_value(uint32_t bits, Dtype dtype) {
-  if (dtype == Dtype::kBFloat16) return __uint_as_float(bits << 16);
+  if (dtype == Dtype::kBFloat16) return widen(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
   if (dtype == Dtype::kFloat16) return widen(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
   return __uint_as_float(bits);
 }
