@@ -299,24 +299,38 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
-// The kernel's parameter block, every 64-byte line of it read at once (one lane per
-// line) and waited for here. An instruction that takes a parameter as an operand and
-// misses the constant cache stalls its warp for the miss; a lean T = 1 step first
-// touches some ten lines of its parameters one after another along its chain (ncu:
-// ~15 % of a warp's cycles in constant-cache misses). `params` must be a
-// __grid_constant__ kernel parameter (its address is then the parameter space's).
-template <typename Params>
-__device__ __forceinline__ void touch_param_lines(const Params& params) {
-  constexpr uint32_t kLine = 64, kLast = (sizeof(Params) - 1) / 4;
-  const uint32_t i = min((threadIdx.x & 31u) * (kLine / 4), kLast);
-  const uint32_t v = reinterpret_cast<const uint32_t*>(&params)[i];
-  // A use the compiler cannot drop (the test in PTX: C++ folds it away) that waits for
-  // the loads here, never true (a word equal to its own complement), and taken by the
-  // whole warp or none (a per-lane branch costs the kernel its warp-uniform code).
+// The kernel's parameter block, every 64-byte line of it read first and waited for.
+// An instruction that takes a parameter as an operand stalls its warp on a miss in
+// the constant cache; a lean T = 1 step first touches some ten lines of its
+// parameters one after another along its chain (ncu: ~15 % of a warp's cycles).
+// Two ways (`params` a __grid_constant__ kernel parameter):
+//  - indexed: one load, lane l reading line l (fills the constant caches' shared level
+//    for the indexed path; its lanes' addresses are served one at a time);
+//  - operands: each line read as an instruction operand, one after another (fills the
+//    operand cache that the kernel's own reads use, each miss in turn).
+// Never-true check (a word equal to its own complement) in PTX: C++ folds it away;
+// taken by the whole warp or none: a per-lane branch costs the kernel its
+// warp-uniform code.
+__device__ __forceinline__ void keep_param_word(uint32_t v) {
   uint32_t bad;
   asm volatile("{\n\t.reg .pred eq;\n\tsetp.eq.u32 eq, %1, %2;\n\tselp.u32 %0, 1, 0, eq;\n\t}"
                : "=r"(bad) : "r"(v), "r"(~v));
   if (__any_sync(0xffffffffu, bad)) __trap();
+}
+constexpr uint32_t kParamLine = 64;
+template <typename Params>
+__device__ __forceinline__ void touch_param_lines_indexed(const Params& params) {
+  constexpr uint32_t kLast = (sizeof(Params) - 1) / 4;
+  keep_param_word(reinterpret_cast<const uint32_t*>(&params)[min((threadIdx.x & 31u) * (kParamLine / 4), kLast)]);
+}
+template <typename Params>
+__device__ __forceinline__ void touch_param_lines_operands(const Params& params) {
+  constexpr uint32_t kLast = (sizeof(Params) - 1) / 4;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&params);
+  uint32_t v = 0;
+#pragma unroll
+  for (uint32_t line = 0; line * kParamLine < sizeof(Params); ++line) v ^= words[min(line * (kParamLine / 4), kLast)];
+  keep_param_word(v);
 }
 
 // Warming L2 before wait_for_prior_grid: `bytes` (a multiple of 16) from `p`

@@ -436,7 +436,7 @@ struct LeanLaunch {
   uint32_t heads_per_group = 1;
   bool prefetch = false;  // warm L2 with the state rows before the wait (pick_prefetch)
   bool tiles_inner = false;  // grid (tiles, H, T) instead of (H, T, tiles) (pick_lean_order)
-  bool touch_params = false;  // read every line of the parameters first (touch_param_lines)
+  uint8_t touch_params = 0;  // read every line of the parameters first: bit 0 indexed, bit 1 operands
 };
 
 // The lean kernel's per-channel inputs of (t, h, p) in two steps: every load issued
@@ -552,7 +552,12 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // start after the previous kernel has ended, and the prefetches only add requests
   // (measured 1-5 points of copy bandwidth lost at T = 16 and 64 on an H200).
   // (Prefetching the inputs' lines as well measured level: +-0.3 us at T = 1.)
-  if (L.touch_params) touch_param_lines(s);
+  // The parameters' lines read before the wait, overlapping the previous kernel's end,
+  // instead of one constant-cache miss at a time along the chain after it (T = 1 on an
+  // H200: 0.03-0.20 us less per step; an all-pad step 0.4 us more: BENCHMARKS.md,
+  // eleventh session).
+  if (L.touch_params & 1) touch_param_lines_indexed(s);
+  if (L.touch_params & 2) touch_param_lines_operands(s);
   if (L.prefetch) {
     const int64_t guess = peek_slot(s.src, t);
     if (own_valid && slot_addressable(guess, s.S, s.pad_slot_id))
@@ -895,13 +900,16 @@ bool pick_prefetch(int64_t blocks, int per_sm) {
   return use_pdl() && blocks <= static_cast<int64_t>(per_sm) * num_sms();
 }
 
-// Whether the lean kernel reads its whole parameter block first (touch_param_lines):
-// where its grid is resident at once (`whole_grid`, as for pick_prefetch), every block
-// starts on a cold constant cache. TORCH_SSD_CUDA_TOUCH_PARAMS=0 / =1 forces it.
-bool pick_touch_params(bool whole_grid) {
+// How the lean kernel reads its whole parameter block first (LeanLaunch::touch_params;
+// touch_param_lines_*): where its grid is resident at once (`whole_grid`, as for
+// pick_prefetch) every block starts on cold constant caches. TORCH_SSD_CUDA_TOUCH_PARAMS
+// = 0..3 forces the bits (1 indexed, 2 operands). Operands by default: the one form
+// faster on every T = 1 benchmark case (the indexed one and both: one case level or
+// slower).
+uint8_t pick_touch_params(bool whole_grid) {
   const char* env = std::getenv("TORCH_SSD_CUDA_TOUCH_PARAMS");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return whole_grid;
+  if (env && env[0] >= '0' && env[0] <= '3' && env[1] == '\0') return static_cast<uint8_t>(env[0] - '0');
+  return whole_grid ? 2 : 0;
 }
 
 template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
