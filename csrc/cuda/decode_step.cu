@@ -554,7 +554,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // (Prefetching the inputs' lines as well measured level: +-0.3 us at T = 1.)
   // The parameters' lines read before the wait, overlapping the previous kernel's end,
   // instead of one constant-cache miss at a time along the chain after it (T = 1 on an
-  // H200: 0.03-0.20 us less per step; an all-pad step 0.4 us more: BENCHMARKS.md,
+  // H200: 0.03-0.20 us less per step; an all-pad step 0.1-0.45 us more: BENCHMARKS.md,
   // eleventh session).
   if (L.touch_params & 1) touch_param_lines_indexed(s);
   if (L.touch_params & 2) touch_param_lines_operands(s);
