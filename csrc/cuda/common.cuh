@@ -304,8 +304,9 @@ __device__ __forceinline__ void allow_next_grid() {
 // the constant cache; a lean T = 1 step first touches some ten lines of its
 // parameters one after another along its chain (ncu: ~15 % of a warp's cycles).
 // Two ways (`params` a __grid_constant__ kernel parameter):
-//  - indexed: one load, lane l reading line l (fills the constant caches' shared level
-//    for the indexed path; its lanes' addresses are served one at a time);
+//  - indexed: one load, lane l reading line l (its lanes' addresses are served one at a
+//    time; under ncu the operand reads after it still miss, but wait less: it warms a
+//    level of the constant caches that both paths share);
 //  - operands: each line read as an instruction operand, one after another (fills the
 //    operand cache that the kernel's own reads use, each miss in turn).
 // Never-true check (a word equal to its own complement) in PTX: C++ folds it away;
