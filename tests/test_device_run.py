@@ -2,8 +2,9 @@
 
 The device calls rely on it: `builds` (build and build-base at once), the *-base stages
 running in BASE_TREE, a missing BASE_TREE failing only its stages, PACK=1 leaving a single
-archive in OUT, `ab` running each knob value per round and then the table. The script is copied into a scratch tree, so its build stage's clean-up
-(`rm -f torch_ssd/_C*.so`) never touches this checkout.
+archive in OUT, `ab` running each knob value per round and then the table. The script is
+copied into a scratch tree, so its build stage's clean-up (`rm -f torch_ssd/_C*.so`) never
+touches this checkout.
 """
 
 import os
@@ -67,6 +68,13 @@ def summary_lines(text):
     return {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines() if line.strip()}
 
 
+def run_summary(tree, fake, tmp_path, stages, **env):
+    """run() with OUT = tmp_path/out: the result, OUT, and summary.txt's status per stage."""
+    out = tmp_path / "out"
+    r = run(tree, fake, out, stages, **env)
+    return r, out, summary_lines((out / "summary.txt").read_text())
+
+
 def test_builds_and_base_stages_packed(scratch, tmp_path):
     tree, fake = scratch
     out = tmp_path / "out"
@@ -91,10 +99,8 @@ def test_builds_and_base_stages_packed(scratch, tmp_path):
 
 def test_failed_base_build_fails_only_its_stage(scratch, tmp_path):
     tree, fake = scratch
-    out = tmp_path / "out"
-    r = run(tree, fake, out, ["builds", "bench-quick"], FAKE_FAIL_IN=".ab_base")
+    r, out, status = run_summary(tree, fake, tmp_path, ["builds", "bench-quick"], FAKE_FAIL_IN=".ab_base")
     assert r.returncode != 0
-    status = summary_lines((out / "summary.txt").read_text())
     assert status["build"].startswith("ok")
     assert status["build-base"].startswith("FAILED (exit 3)")
     assert status["bench-quick"].startswith("ok")  # the script went on
@@ -102,11 +108,9 @@ def test_failed_base_build_fails_only_its_stage(scratch, tmp_path):
 
 def test_missing_base_tree(scratch, tmp_path):
     tree, fake = scratch
-    out = tmp_path / "out"
-    r = run(tree, fake, out, ["builds", "bench-quick-base"], BASE_TREE=".missing")
+    r, out, status = run_summary(tree, fake, tmp_path, ["builds", "bench-quick-base"], BASE_TREE=".missing")
     assert r.returncode != 0
     assert "BASE_TREE '.missing' is not a directory" in r.stdout
-    status = summary_lines((out / "summary.txt").read_text())
     assert status["build"].startswith("ok")
     assert status["build-base"].startswith("FAILED (exit 2)")
     assert status["bench-quick-base"].startswith("FAILED (exit 2)")
@@ -114,21 +118,17 @@ def test_missing_base_tree(scratch, tmp_path):
 
 def test_failed_build_stops_the_script(scratch, tmp_path):
     tree, fake = scratch
-    out = tmp_path / "out"
-    r = run(tree, fake, out, ["build", "bench-quick"], FAKE_FAIL_IN=str(tree))
+    r, out, status = run_summary(tree, fake, tmp_path, ["build", "bench-quick"], FAKE_FAIL_IN=str(tree))
     assert r.returncode != 0
-    status = summary_lines((out / "summary.txt").read_text())
     assert status["build"].startswith("FAILED (exit 3)")
     assert "bench-quick" not in status
 
 
 def test_ab_runs_each_value_per_round_then_the_table(scratch, tmp_path):
     tree, fake = scratch
-    out = tmp_path / "out"
-    r = run(tree, fake, out, ["ab"], AB_KNOB="FAKE_KNOB", AB_VALUES="0 2 -", AB_ROUNDS="2",
-            BENCH_ARGS="--T 1")
+    r, out, status = run_summary(tree, fake, tmp_path, ["ab"], AB_KNOB="FAKE_KNOB", AB_VALUES="0 2 -",
+                                 AB_ROUNDS="2", BENCH_ARGS="--T 1")
     assert r.returncode == 0, r.stdout + r.stderr
-    status = summary_lines((out / "summary.txt").read_text())
     assert list(status) == ["ab-0-r1", "ab-2-r1", "ab---r1", "ab-0-r2", "ab-2-r2", "ab---r2", "ab-table"]
     log = (out / "ab.log").read_text()
     runs = [line for line in log.splitlines() if line.startswith("fake-python") and "-m torch_ssd" in line]
@@ -143,10 +143,8 @@ def test_ab_runs_each_value_per_round_then_the_table(scratch, tmp_path):
 
 def test_ab_without_a_knob_fails_only_itself(scratch, tmp_path):
     tree, fake = scratch
-    out = tmp_path / "out"
-    r = run(tree, fake, out, ["ab", "bench-quick"], AB_VALUES="0 1")
+    r, out, status = run_summary(tree, fake, tmp_path, ["ab", "bench-quick"], AB_VALUES="0 1")
     assert r.returncode != 0
     assert "ab: set AB_KNOB and AB_VALUES" in r.stdout
-    status = summary_lines((out / "summary.txt").read_text())
     assert status["ab"].startswith("FAILED (exit 2)")
     assert status["bench-quick"].startswith("ok")

@@ -54,7 +54,7 @@ def table(runs: dict[str, dict[int, list[dict]]], values: list[str]) -> list[str
 
     lines = [f"us per step by value ({' / '.join(values)}), rounds joined by ','; change of the mean "
              f"against {values[0]}"]
-    for case in sorted(times, key=lambda c: (c[0], c[1], c[2])):
+    for case in sorted(times):
         by_value = times[case]
         ref_graph, ref_plain = by_value.get(values[0], ([], []))
         cells = []

@@ -35,6 +35,8 @@
 #               "-" leaves it unset; the first is the reference), AB_ROUNDS rounds (default 2)
 #               of bench-quick with each value in turn (BENCH_ARGS), into
 #               bench-ab-<value>-r<round>.json; then tools/bench_ab.py's table; all in ab.log
+#               (the main job's own numbers, a process per run; `tune` with TUNE_ARGS="--configs
+#               lean-t0 lean-t2 lean-t0 lean-t2" compares in one process on the same inputs)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
 #               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
@@ -76,6 +78,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+BENCH=("$PY" -m torch_ssd --device cuda --no-progress)  # the main job (bench, bench-quick, ab)
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 STAGES=("$@")
@@ -304,7 +307,7 @@ PYEOF
       if [[ $stage == *-base ]]; then enter_base "$stage" || continue; log=bench-base; fi
       compile=()
       [[ $stage == bench-quick* ]] && compile=(--no-compile)
-      run_stage "$stage" "$OUT/$log.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress "${compile[@]}" \
+      run_stage "$stage" "$OUT/$log.log" "${TO[@]}" "${BENCH[@]}" "${compile[@]}" \
         --json "$OUT/$log.json" ${BENCH_ARGS:-}
       [[ $stage == *-base ]] && popd >/dev/null
       ;;
@@ -338,8 +341,8 @@ PYEOF
           setting=("$AB_KNOB=$value")
           [[ $value == - ]] && setting=(-u "$AB_KNOB")
           files+=("$OUT/bench-ab-$value-r$round.json")
-          run_stage "ab-$value-r$round" "$OUT/ab.log" "${TO[@]}" env "${setting[@]}" "$PY" -m torch_ssd \
-            --device cuda --no-progress --no-compile --json "${files[-1]}" ${BENCH_ARGS:-}
+          run_stage "ab-$value-r$round" "$OUT/ab.log" "${TO[@]}" env "${setting[@]}" "${BENCH[@]}" --no-compile \
+            --json "${files[-1]}" ${BENCH_ARGS:-}
         done
       done
       run_stage ab-table "$OUT/ab.log" "$PY" tools/bench_ab.py --knob "$AB_KNOB" --values "$AB_VALUES" "${files[@]}"
