@@ -283,14 +283,11 @@ KERNEL_CHOICES = [
 KERNEL_KNOBS = sorted({key for env in KERNEL_CHOICES for key in env})
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("shape", [(5, 3, 24, 64, 1), (7, 4, 40, 128, 2), (2, 2, 8, 256, 2)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("bc_dtype", [torch.bfloat16, torch.float32], ids=["bc_bf16", "bc_f32"])
-def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, monkeypatch):
+def _every_choice_same_bits(pool_dtype, shape, bc_dtype, monkeypatch, extra_env=None):
     """Serving-style inputs (per-head A / dt / D / dt_bias broadcast along P, rows that
     split evenly over lanes) with pad rows and a shared destination slot, P not a
-    multiple of any tile: every kernel choice matches the reference and the others."""
+    multiple of any tile: every kernel choice (with `extra_env` set for all of them)
+    matches the reference and the others."""
     T, H, P, N, G = shape
     inputs = make_inputs(None, T, H, P, N, G, device="cuda", pool_dtype=pool_dtype, dtype=torch.bfloat16,
                          dtypes={"B": bc_dtype, "C": bc_dtype}, slots="dst", pad_rows=(1,),
@@ -302,7 +299,7 @@ def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, mo
     for env in KERNEL_CHOICES:
         for key in KERNEL_KNOBS:
             monkeypatch.delenv(key, raising=False)
-        for key, value in env.items():
+        for key, value in {**(extra_env or {}), **env}.items():
             monkeypatch.setenv(key, value)
         inputs["ssm_pool"].copy_(pool0)
         y = torch.ops.ssd.decode_step(*step_args(inputs))
@@ -313,6 +310,26 @@ def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, mo
         else:
             assert torch.equal(got[0], first[0]), f"y differs with {env}"
             assert torch.equal(got[1], first[1]), f"pool differs with {env}"
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("shape", [(5, 3, 24, 64, 1), (7, 4, 40, 128, 2), (2, 2, 8, 256, 2), (6, 3, 24, 16, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bc_dtype", [torch.bfloat16, torch.float32], ids=["bc_bf16", "bc_f32"])
+def test_every_kernel_choice_gives_the_same_bits(pool_dtype, shape, bc_dtype, monkeypatch):
+    """The default mapping along N (N = 16: two chunks per lane for 16-bit pools, which
+    the lean kernel does not take)."""
+    _every_choice_same_bits(pool_dtype, shape, bc_dtype, monkeypatch)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("chunks", ["2", "4"])
+def test_every_kernel_choice_gives_the_same_bits_with_other_mappings(pool_dtype, chunks, monkeypatch):
+    """TORCH_SSD_CUDA_CHUNKS (more lanes per row: with four chunks per lane float32 rows
+    keep the lean kernel, with two every kernel choice falls to the block and pipelined
+    kernels) changes the mapping along N for every kernel alike."""
+    _every_choice_same_bits(pool_dtype, (7, 4, 40, 128, 2), torch.bfloat16, monkeypatch,
+                            {"TORCH_SSD_CUDA_CHUNKS": chunks})
 
 
 def test_serving_inputs_take_the_lean_kernel(monkeypatch):
