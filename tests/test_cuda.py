@@ -95,12 +95,15 @@ def test_graph_replay_of_multi_step_loop_equals_eager(pool_dtype, shape):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_slot_index_written_by_the_kernel_before_is_the_one_used(pool_dtype, monkeypatch):
+@pytest.mark.parametrize("speculate", ["0", "1", "2"])
+def test_slot_index_written_by_the_kernel_before_is_the_one_used(pool_dtype, speculate, monkeypatch):
     """With programmatic dependent launch the lean kernel may start while the kernel
     before it still runs, and at T = 1 it reads the slot index early to fetch the state
-    rows into L2. In a graph where an elementwise kernel moves the slot index on right
-    before each step, every step must read and write the slot written for it: the
-    result equals eager steps with the prefetch and the overlap turned off."""
+    rows into L2 and (speculate 1) to load them from right after the wait (2: from a
+    wrong slot on purpose, so that every step loads them again). In a graph where an
+    elementwise kernel moves the slot index on right before each step, every step must
+    read and write the slot written for it: the result equals eager steps with the
+    prefetch, the speculation and the overlap turned off."""
     T, H, P, N, G, S, steps = 1, 8, 64, 128, 1, 5, 6
     inputs = make_inputs(S, T, H, P, N, G, device="cuda", pool_dtype=pool_dtype, dtype=torch.bfloat16,
                          per_head=True, seed=9)
@@ -116,6 +119,7 @@ def test_slot_index_written_by_the_kernel_before_is_the_one_used(pool_dtype, mon
             torch.ops.ssd.decode_step_out(*step_args(args), ys[k])
 
     monkeypatch.setenv("TORCH_SSD_CUDA_PREFETCH", "1")
+    monkeypatch.setenv("TORCH_SSD_CUDA_SPECULATE", speculate)
     monkeypatch.delenv("TORCH_SSD_CUDA_PDL", raising=False)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -129,6 +133,7 @@ def test_slot_index_written_by_the_kernel_before_is_the_one_used(pool_dtype, mon
     graph.replay()
 
     monkeypatch.setenv("TORCH_SSD_CUDA_PREFETCH", "0")
+    monkeypatch.setenv("TORCH_SSD_CUDA_SPECULATE", "0")
     monkeypatch.setenv("TORCH_SSD_CUDA_PDL", "0")
     for k in range(steps):
         eager["slot_idx"].add_(2).remainder_(S)
@@ -279,6 +284,11 @@ KERNEL_CHOICES = [
     {"TORCH_SSD_CUDA_TOUCH_PARAMS": "0"},
     {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_TOUCH_PARAMS": "2"},
     {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_TOUCH_PARAMS": "3"},
+    {"TORCH_SSD_CUDA_SPECULATE": "1"},
+    {"TORCH_SSD_CUDA_SPECULATE": "2"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_SPECULATE": "2", "TORCH_SSD_CUDA_PREFETCH": "0"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "1", "TORCH_SSD_CUDA_SPECULATE": "1", "TORCH_SSD_CUDA_PDL": "0"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_SPECULATE": "0"},
 ]
 KERNEL_KNOBS = sorted({key for env in KERNEL_CHOICES for key in env})
 

@@ -107,11 +107,14 @@ def step_case(pool_dtype, layout, N, broadcast, idx_dtype, P=8, tag_extra=""):
 
 
 # Every lean-kernel form the launch may pick (rows per thread, warps per block; four
-# rows in a one-warp block take B / C through shared memory; the grid's block order),
-# forced in turn.
-LEAN_CHOICES = [{"TORCH_SSD_CUDA_LEAN_ROWS": r, "TORCH_SSD_CUDA_WARPS": w, "TORCH_SSD_CUDA_LEAN_ORDER": o}
-                for r, w, o in (("1", "1", "0"), ("2", "1", "0"), ("2", "2", "0"), ("4", "1", "0"), ("4", "2", "0"),
-                                ("2", "2", "1"), ("4", "1", "1"))]
+# rows in a one-warp block take B / C through shared memory; the grid's block order;
+# the rows loaded from the slot index read before the wait, here a wrong guess on
+# purpose so that they are loaded again), forced in turn.
+LEAN_CHOICES = [{"TORCH_SSD_CUDA_LEAN_ROWS": r, "TORCH_SSD_CUDA_WARPS": w, "TORCH_SSD_CUDA_LEAN_ORDER": o,
+                 "TORCH_SSD_CUDA_SPECULATE": g}
+                for r, w, o, g in (("1", "1", "0", "1"), ("2", "1", "0", "2"), ("2", "2", "0", "1"),
+                                   ("4", "1", "0", "2"), ("4", "2", "0", "1"), ("2", "2", "1", "2"),
+                                   ("4", "1", "1", "1"))]
 
 
 def lean_choice_cases(pool_dtype):
@@ -122,7 +125,8 @@ def lean_choice_cases(pool_dtype):
         for N in (64, 128):
             step_case(pool_dtype, "contiguous", N, broadcast=True, idx_dtype=torch.int64, P=40,
                       tag_extra=f" rows={env['TORCH_SSD_CUDA_LEAN_ROWS']} warps={env['TORCH_SSD_CUDA_WARPS']}"
-                                f" order={env['TORCH_SSD_CUDA_LEAN_ORDER']}")
+                                f" order={env['TORCH_SSD_CUDA_LEAN_ORDER']}"
+                                f" speculate={env['TORCH_SSD_CUDA_SPECULATE']}")
         for key in env:
             del os.environ[key]
 

@@ -25,6 +25,8 @@ A config names the kernel and its knobs, joined by '-':
     tT         read the kernel's parameter block first: 0 off, 1 one indexed load, 2 as
                operands, 3 both (default: 2 where the whole grid is resident at once)
                (TORCH_SSD_CUDA_TOUCH_PARAMS)
+    sS         load the first rows from the slot index read before the wait: 0 off, 1 on
+               (default: on where the whole grid is resident at once) (TORCH_SSD_CUDA_SPECULATE)
     cC         as for block
   pipe         the pipelined kernel (TORCH_SSD_CUDA_KERNEL=pipe)
     wW         warps per block (TORCH_SSD_CUDA_PIPE_WARPS)
@@ -58,7 +60,7 @@ from torch_ssd import bench
 KNOBS = ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PIPE_WARPS",
          "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES", "TORCH_SSD_CUDA_CHUNKS", "TORCH_SSD_CUDA_LEAN_ROWS",
          "TORCH_SSD_CUDA_PDL", "TORCH_SSD_CUDA_PREFETCH", "TORCH_SSD_CUDA_LEAN_ORDER",
-         "TORCH_SSD_CUDA_TOUCH_PARAMS")
+         "TORCH_SSD_CUDA_TOUCH_PARAMS", "TORCH_SSD_CUDA_SPECULATE")
 
 
 def parse_config(text: str) -> dict[str, str]:
@@ -71,7 +73,7 @@ def parse_config(text: str) -> dict[str, str]:
              ("lean", "c"): "TORCH_SSD_CUDA_CHUNKS", ("lean", "r"): "TORCH_SSD_CUDA_LEAN_ROWS",
              ("lean", "w"): "TORCH_SSD_CUDA_WARPS", ("lean", "p"): "TORCH_SSD_CUDA_PDL",
              ("lean", "f"): "TORCH_SSD_CUDA_PREFETCH", ("lean", "o"): "TORCH_SSD_CUDA_LEAN_ORDER",
-             ("lean", "t"): "TORCH_SSD_CUDA_TOUCH_PARAMS",
+             ("lean", "t"): "TORCH_SSD_CUDA_TOUCH_PARAMS", ("lean", "s"): "TORCH_SSD_CUDA_SPECULATE",
              ("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
              ("pipe", "w"): "TORCH_SSD_CUDA_PIPE_WARPS", ("pipe", "b"): "TORCH_SSD_CUDA_BPSM",
              ("pipe", "n"): "TORCH_SSD_CUDA_PIPE_STAGES"}

@@ -437,6 +437,8 @@ struct LeanLaunch {
   bool prefetch = false;  // warm L2 with the state rows before the wait (pick_prefetch)
   bool tiles_inner = false;  // grid (tiles, H, T) instead of (H, T, tiles) (pick_lean_order)
   uint8_t touch_params = 0;  // read every line of the parameters first: bit 0 indexed, bit 1 operands
+  uint8_t speculate = 0;  // rows loaded from the slot index read before the wait (pick_speculate): 1;
+                         // 2: from the slot after it (a wrong guess: tests the reload)
 };
 
 // The lean kernel's per-channel inputs of (t, h, p) in two steps: every load issued
@@ -558,14 +560,38 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // eleventh session).
   if (L.touch_params & 1) touch_param_lines_indexed(s);
   if (L.touch_params & 2) touch_param_lines_operands(s);
-  if (L.prefetch) {
-    const int64_t guess = peek_slot(s.src, t);
-    if (own_valid && slot_addressable(guess, s.S, s.pad_slot_id))
-      prefetch_l2_bytes(pool + s.pool_offset(guess, h, p_own), static_cast<uint32_t>(s.N * sizeof(PoolT)));
-  }
+  int64_t guess = L.prefetch || L.speculate ? peek_slot(s.src, t) : kNoSlot;
+  if (L.speculate == 2) guess = guess + 1 < s.S ? guess + 1 : 0;
+  const bool guess_addressable = slot_addressable(guess, s.S, s.pad_slot_id);
+  if (L.prefetch && own_valid && guess_addressable)
+    prefetch_l2_bytes(pool + s.pool_offset(guess, h, p_own), static_cast<uint32_t>(s.N * sizeof(PoolT)));
+
+  // This lane's first chunk of row p_first in a slot; row r starts r row steps on.
+  auto row0_of = [&](int64_t slot) { return pool + s.pool_offset(slot, h, p_first) + li * VEC; };
+  auto load_row_from = [&](const PoolT* row0, int r, uint4 (&st)[KB]) {
+    const PoolT* row = row0 + r * row_step;
+#pragma unroll
+    for (int j = 0; j < KB; ++j)
+      if (valid[r]) st[j] = load_chunk_raw(row + j * m.lanes * VEC);
+  };
+  uint4 st[kStream ? 1 : kRows][KB];  // state chunks as stored: widened one at a time, when used
+  // kStream: one row in flight ahead of the one computed (then stored); else every
+  // row loaded up front.
+  auto load_first_rows = [&](const PoolT* row0) {
+#pragma unroll
+    for (int r = 0; r < (kStream ? 1 : kRows); ++r) load_row_from(row0, r, st[r]);
+  };
 
   wait_for_prior_grid();
   allow_next_grid();
+  // L.speculate: the rows' loads go out from the slot index read before the wait, beside
+  // the real read instead of after it (one L2 round trip less in a T = 1 step's chain);
+  // they come after the wait, so they see the previous kernel's writes. A slot that
+  // changed across the wait is loaded again. (H200, T = 1 under graph replay: 0.26 us less
+  // on (80,64,128,1) float32, the other benchmark cases level: BENCHMARKS.md, twelfth
+  // session.)
+  const bool speculated = L.speculate && guess_addressable;
+  if (speculated) load_first_rows(row0_of(guess));
   const int64_t src = s.src.slot(t, t);
 
   // What does not depend on the slot is fetched while the slot index is in flight.
@@ -574,19 +600,9 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
     if (own_valid) *y_at(p_own) = narrow<InT>(0.0f);
     return;  // the whole block leaves (src is the block's): no shuffle is left waiting
   }
-  // This lane's first chunk of row p_first in the source slot.
-  const PoolT* src_row0 = pool + s.pool_offset(src, h, p_first) + li * VEC;
-  auto load_row = [&](int r, uint4 (&st)[KB]) {
-    const PoolT* row = src_row0 + r * row_step;
-#pragma unroll
-    for (int j = 0; j < KB; ++j)
-      if (valid[r]) st[j] = load_chunk_raw(row + j * m.lanes * VEC);
-  };
-  uint4 st[kStream ? 1 : kRows][KB];  // state chunks as stored: widened one at a time, when used
-  // kStream: one row in flight ahead of the one computed (then stored); else every
-  // row loaded up front.
-#pragma unroll
-  for (int r = 0; r < (kStream ? 1 : kRows); ++r) load_row(r, st[r]);
+  const PoolT* src_row0 = row0_of(src);
+  auto load_row = [&](int r, uint4 (&st)[KB]) { load_row_from(src_row0, r, st); };
+  if (!speculated || src != guess) load_first_rows(src_row0);
   // Held 16-bit B and C chunks (kHoldBC, below) are loaded here, beside the rows, as
   // raw bits: loaded where they are widened, they went out only after the destination
   // slot's load had come back (the last-writer check branches on it), one more L2 round
@@ -912,6 +928,18 @@ uint8_t pick_touch_params(bool whole_grid) {
   return whole_grid ? 2 : 0;
 }
 
+// Whether the lean kernel issues its first rows' loads from the slot index read before
+// the wait (LeanLaunch::speculate), where its whole grid is resident at once (as
+// pick_prefetch): there every block waits on the previous kernel. Forced on at T = 16
+// and 64 (blocks that start after the previous kernel) it measured 1-9 points of copy
+// bandwidth lost. TORCH_SSD_CUDA_SPECULATE=0 / 1 forces it off / on; 2 guesses the wrong
+// slot on purpose (tests of the reload).
+uint8_t pick_speculate(bool whole_grid) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_SPECULATE");
+  if (env && env[0] >= '0' && env[0] <= '2' && env[1] == '\0') return static_cast<uint8_t>(env[0] - '0');
+  return whole_grid ? 1 : 0;
+}
+
 template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
 void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
   auto kernel = decode_step_lean<PoolT, InT, kRows, KB, kSharedBC>;
@@ -927,6 +955,7 @@ void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, c
   L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
   L.tiles_inner = pick_lean_order(d);
   L.touch_params = pick_touch_params(L.prefetch);
+  L.speculate = pick_speculate(L.prefetch);
   const dim3 grid = lean_grid(L.tiles_inner, d.H, d.T, tiles);
   const size_t smem = kSharedBC ? 2 * static_cast<size_t>(d.N) * sizeof(float) : 0;
   if constexpr (kSharedBC) allow_smem(kernel, smem);
