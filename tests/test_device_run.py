@@ -2,7 +2,7 @@
 
 The device calls rely on it: `builds` (build and build-base at once), the *-base stages
 running in BASE_TREE, a missing BASE_TREE failing only its stages, PACK=1 leaving a single
-archive in OUT, `ab` running each knob value per round and then the table. The script is
+archive in OUT. The script is
 copied into a scratch tree, so its build stage's clean-up (`rm -f torch_ssd/_C*.so`) never
 touches this checkout.
 """
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 # Records where it ran and with what; `setup.py build_ext` fails with status 3 in a tree
 # named in FAKE_FAIL_IN.
 FAKE_PYTHON = """#!/bin/sh
-echo "fake-python cwd=$PWD args=$* knob=${FAKE_KNOB-<unset>}"
+echo "fake-python cwd=$PWD args=$*"
 case "$*" in
   *build_ext*)
     mkdir -p torch_ssd && : > torch_ssd/_C.so
@@ -52,8 +52,7 @@ def scratch(tmp_path):
 # call) must not leak into these runs.
 SCRIPT_SETTINGS = ("OUT", "PACK", "PYTHON", "BASE_TREE", "BUDGET_S", "TEST_CAP_S", "TEST_PATHS",
                    "TEST_ARGS", "TEST_WORKERS", "BENCH_ARGS", "TUNE_ARGS", "PATTERN_ARGS", "PARTS_ARGS",
-                   "MULTI_ARGS", "MULTI_BUDGET", "BC_PATHS", "FUZZ_CASES", "NCU_CASES", "NCU_ARGS",
-                   "AB_KNOB", "AB_VALUES", "AB_ROUNDS")
+                   "MULTI_ARGS", "MULTI_BUDGET", "BC_PATHS", "FUZZ_CASES", "NCU_CASES", "NCU_ARGS")
 
 
 def run(tree, fake, out, stages, **env):
@@ -122,29 +121,3 @@ def test_failed_build_stops_the_script(scratch, tmp_path):
     assert r.returncode != 0
     assert status["build"].startswith("FAILED (exit 3)")
     assert "bench-quick" not in status
-
-
-def test_ab_runs_each_value_per_round_then_the_table(scratch, tmp_path):
-    tree, fake = scratch
-    r, out, status = run_summary(tree, fake, tmp_path, ["ab"], AB_KNOB="FAKE_KNOB", AB_VALUES="0 2 -",
-                                 AB_ROUNDS="2", BENCH_ARGS="--T 1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert list(status) == ["ab-0-r1", "ab-2-r1", "ab---r1", "ab-0-r2", "ab-2-r2", "ab---r2", "ab-table"]
-    log = (out / "ab.log").read_text()
-    runs = [line for line in log.splitlines() if line.startswith("fake-python") and "-m torch_ssd" in line]
-    assert [line.rsplit("knob=", 1)[1] for line in runs] == ["0", "2", "<unset>"] * 2
-    assert all("--no-compile" in line and line.split("args=")[1].split(" knob=")[0].endswith("--T 1")
-               for line in runs)
-    assert f"--json {out}/bench-ab-2-r2.json" in runs[4]
-    table = [line for line in log.splitlines() if line.startswith("fake-python") and "bench_ab.py" in line]
-    assert len(table) == 1 and "--knob FAKE_KNOB --values 0 2 -" in table[0]
-    assert table[0].count("bench-ab-") == 6
-
-
-def test_ab_without_a_knob_fails_only_itself(scratch, tmp_path):
-    tree, fake = scratch
-    r, out, status = run_summary(tree, fake, tmp_path, ["ab", "bench-quick"], AB_VALUES="0 1")
-    assert r.returncode != 0
-    assert "ab: set AB_KNOB and AB_VALUES" in r.stdout
-    assert status["ab"].startswith("FAILED (exit 2)")
-    assert status["bench-quick"].startswith("ok")

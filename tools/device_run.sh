@@ -30,13 +30,6 @@
 #               bench-multi-base.log (list a pair twice, e.g. "bench-quick bench-quick-base
 #               bench-quick bench-quick-base", to see the run-to-run noise)
 #   builds      build and build-base at once (build-base in a second run of this script)
-#   ab          one launch knob's settings against each other on one build: AB_KNOB (an
-#               environment variable, e.g. TORCH_SSD_CUDA_TOUCH_PARAMS), AB_VALUES (e.g. "0 1 2";
-#               "-" leaves it unset; the first is the reference), AB_ROUNDS rounds (default 2)
-#               of bench-quick with each value in turn (BENCH_ARGS), into
-#               bench-ab-<value>-r<round>.json; then tools/bench_ab.py's table; all in ab.log
-#               (the main job's own numbers, a process per run; `tune` with TUNE_ARGS="--configs
-#               lean-t0 lean-t2 lean-t0 lean-t2" compares in one process on the same inputs)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
 #               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
@@ -78,7 +71,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-BENCH=("$PY" -m torch_ssd --device cuda --no-progress)  # the main job (bench, bench-quick, ab)
+BENCH=("$PY" -m torch_ssd --device cuda --no-progress)  # the main job (bench, bench-quick)
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 STAGES=("$@")
@@ -328,24 +321,6 @@ PYEOF
           "$PY" tools/bench_multi.py --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" \
           ${MULTI_ARGS:-}
       done
-      ;;
-    ab)
-      if [[ -z "${AB_KNOB:-}" || -z "${AB_VALUES:-}" ]]; then
-        echo "ab: set AB_KNOB and AB_VALUES (see -h)" | tee -a "$OUT/ab.log"
-        record ab 2 0
-        continue
-      fi
-      files=()
-      for round in $(seq "${AB_ROUNDS:-2}"); do
-        for value in $AB_VALUES; do
-          setting=("$AB_KNOB=$value")
-          [[ $value == - ]] && setting=(-u "$AB_KNOB")
-          files+=("$OUT/bench-ab-$value-r$round.json")
-          run_stage "ab-$value-r$round" "$OUT/ab.log" "${TO[@]}" env "${setting[@]}" "${BENCH[@]}" --no-compile \
-            --json "${files[-1]}" ${BENCH_ARGS:-}
-        done
-      done
-      run_stage ab-table "$OUT/ab.log" "$PY" tools/bench_ab.py --knob "$AB_KNOB" --values "$AB_VALUES" "${files[@]}"
       ;;
     *)
       echo "device_run.sh: unknown stage '$stage'" >&2
