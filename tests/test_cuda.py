@@ -99,8 +99,8 @@ def test_graph_replay_of_multi_step_loop_equals_eager(pool_dtype, shape):
 def test_slot_index_written_by_the_kernel_before_is_the_one_used(pool_dtype, speculate, monkeypatch):
     """With programmatic dependent launch the lean kernel may start while the kernel
     before it still runs, and at T = 1 it reads the slot index early to fetch the state
-    rows into L2 and (speculate 1) to load them from right after the wait (2: from a
-    wrong slot on purpose, so that every step loads them again). In a graph where an
+    rows into L2 and (speculate 1) to load them from that slot right after the wait (2:
+    from a wrong slot on purpose, so that every step loads them again). In a graph where an
     elementwise kernel moves the slot index on right before each step, every step must
     read and write the slot written for it: the result equals eager steps with the
     prefetch, the speculation and the overlap turned off."""

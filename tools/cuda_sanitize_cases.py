@@ -108,8 +108,8 @@ def step_case(pool_dtype, layout, N, broadcast, idx_dtype, P=8, tag_extra=""):
 
 # Every lean-kernel form the launch may pick (rows per thread, warps per block; four
 # rows in a one-warp block take B / C through shared memory; the grid's block order;
-# the rows loaded from the slot index read before the wait, here a wrong guess on
-# purpose so that they are loaded again), forced in turn.
+# the rows loaded from the slot index read before the wait (1), or from a wrong guess
+# on purpose (2) so that they are loaded again), forced in turn.
 LEAN_CHOICES = [{"TORCH_SSD_CUDA_LEAN_ROWS": r, "TORCH_SSD_CUDA_WARPS": w, "TORCH_SSD_CUDA_LEAN_ORDER": o,
                  "TORCH_SSD_CUDA_SPECULATE": g}
                 for r, w, o, g in (("1", "1", "0", "1"), ("2", "1", "0", "2"), ("2", "2", "0", "1"),
