@@ -71,7 +71,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-BENCH=("$PY" -m torch_ssd --device cuda --no-progress)  # the main job (bench, bench-quick)
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 STAGES=("$@")
@@ -300,7 +299,7 @@ PYEOF
       if [[ $stage == *-base ]]; then enter_base "$stage" || continue; log=bench-base; fi
       compile=()
       [[ $stage == bench-quick* ]] && compile=(--no-compile)
-      run_stage "$stage" "$OUT/$log.log" "${TO[@]}" "${BENCH[@]}" "${compile[@]}" \
+      run_stage "$stage" "$OUT/$log.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress "${compile[@]}" \
         --json "$OUT/$log.json" ${BENCH_ARGS:-}
       [[ $stage == *-base ]] && popd >/dev/null
       ;;
