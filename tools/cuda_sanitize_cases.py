@@ -203,17 +203,21 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
-def long_rows_case(pool_dtype, bc_path, order="0", bulk="0"):
+def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows=""):
     """A long row through the lean multi-token kernel's B / C path `bc_path` (K = 20:
     widened, both float32 buffers in turn ten times, and each warp walks two tiles of
     rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64), each token
     writing its own slot, against the CPU; `order` the grid's block order
     (TORCH_SSD_CUDA_MULTI_ORDER), `bulk` whether the widened path writes its states by
-    bulk copies from shared memory (TORCH_SSD_CUDA_MULTI_BULK)."""
+    bulk copies from shared memory (TORCH_SSD_CUDA_MULTI_BULK), `next_rows` whether a warp's
+    next tile's rows are copied into shared memory during this one
+    (TORCH_SSD_CUDA_MULTI_NEXT_ROWS; "": the default rule, on for the widened path without
+    bulk stores here)."""
     os.environ["TORCH_SSD_CUDA_MULTI_BC"] = bc_path
     os.environ["TORCH_SSD_CUDA_MULTI_TILES"] = "2"
     os.environ["TORCH_SSD_CUDA_MULTI_ORDER"] = order
     os.environ["TORCH_SSD_CUDA_MULTI_BULK"] = bulk
+    os.environ["TORCH_SSD_CUDA_MULTI_NEXT_ROWS"] = next_rows
     S, T, K, H, P, G, N = 48, 2, 20, 2, 40, 1, 64
     pool = randn(S, H, P, N, dtype=pool_dtype)
     ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
@@ -234,7 +238,7 @@ def long_rows_case(pool_dtype, bc_path, order="0", bulk="0"):
     for name, g, w in zip(("y", "pool"), res[1], res[0]):
         check(f"long rows {pool_dtype} {bc_path} {name}", g, w)
     for key in ("TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_MULTI_ORDER",
-                "TORCH_SSD_CUDA_MULTI_BULK"):
+                "TORCH_SSD_CUDA_MULTI_BULK", "TORCH_SSD_CUDA_MULTI_NEXT_ROWS"):
         del os.environ[key]
 
 
@@ -253,6 +257,8 @@ def main() -> int:
             long_rows_case(pool_dtype, bc_path)
         long_rows_case(pool_dtype, "widened", bulk="1")
         long_rows_case(pool_dtype, "widened", order="1", bulk="1")
+        long_rows_case(pool_dtype, "widened", next_rows="0")
+        long_rows_case(pool_dtype, "widened", bulk="1", next_rows="1")
         lean_choice_cases(pool_dtype)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "

@@ -394,7 +394,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 // writes with the window's destinations; lane w of the window then holds token w's
 // destination, or none, and each token takes it with one shuffle. A warp walks
 // several tiles of its (head, row) (pick_multi_tiles): the first window's decision
-// and the row's slots serve them all.
+// and the row's slots serve them all; kWidened (kNextRows, pick_next_rows) copies the
+// next tile's rows into shared memory while this tile's tokens run.
 // The state stays in float32 registers across the tokens and is rounded once per
 // store. Mapping along N, per-element arithmetic and reduction order are
 // multi_step_kernel's (and so, on float32 pools, K single steps'): the same bits
@@ -412,6 +413,8 @@ struct LeanMultiLaunch {
   bool tiles_inner = false;  // grid (tile groups, H, rows) instead of (H, rows, tile groups)
   bool bulk_stores = false;  // kWidened: states written by bulk copies from shared memory (pick_bulk_stores)
   int store_smem_offset = 0;  // bytes into the dynamic shared memory: the store buffers (two of a tile's rows)
+  bool next_rows = false;     // kWidened: the kernel with kNextRows (pick_next_rows)
+  int next_rows_offset = 0;   // bytes into the dynamic shared memory: those rows, each lane's chunks
 };
 
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
@@ -438,7 +441,7 @@ constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ?
 // inputs are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take more
 // for their B / C chunks; a cap of 96 registers spilled more and ran 5-30 % slower
 // (BENCHMARKS.md, 2026-12-01).
-template <typename PoolT, typename InT, int KB, BcPath kBc>
+template <typename PoolT, typename InT, int KB, BcPath kBc, bool kNextRows = false>
 __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
                                   kBc == BcPath::kWidened ? lean_warps_per_sm(kBc) : (sizeof(InT) == 2 ? 2 : 1))
     multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
@@ -603,6 +606,14 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   const int store_pitch = n_row + kStoreRowPad / static_cast<int>(sizeof(PoolT));
   uint32_t stores = 0;
 
+  // kNextRows (kWidened only): while a tile's tokens run, its warp's next tile's rows are copied
+  // (cp.async) into shared memory, each lane's chunks where only it reads them, so the
+  // next tile starts without a round trip to DRAM. Pool writes of this step cannot reach
+  // those rows: another p of this warp's row, or another row's source (not allowed).
+  uint4* const next_lane = reinterpret_cast<uint4*>(lean_smem + L.next_rows_offset) + lane;
+  auto next_chunk = [&](int r, int j) -> uint4& { return next_lane[(r * KB + j) * kWarp]; };
+  bool next_ready = false;  // this tile's rows are in next_chunk
+
 #pragma unroll 1
   for (int tile = group; tile < L.tiles; tile += groups) {
     const int64_t warp_base = static_cast<int64_t>(tile) * L.rows_per_pass;
@@ -628,7 +639,13 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     }
     const int64_t row_offset = s.pool_offset(0, h, p);  // row 0's, + slot * pool_stride[0]
     uint4 raw[kRows][KB];
-    {
+    if (kNextRows && next_ready) {
+      stage_wait_all();
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < KB; ++j) raw[r][j] = valid[r] ? next_chunk(r, j) : make_uint4(0, 0, 0, 0);
+    } else {
       const PoolT* row = pool + (src * s.pool_stride[0] + row_offset);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -694,6 +711,21 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
       for (int j = 0; j < KB; ++j) widen_chunk<VEC, PoolT>(raw[r][j], st[r][j]);
+    // The next tile's copies go out once this tile's chunks are read out of the buffer
+    // (same lane, in order: its reads are served before the copies land).
+    next_ready = false;
+    if (kNextRows && tile + groups < L.tiles) {
+      const int64_t p_next_any = static_cast<int64_t>(tile + groups) * L.rows_per_pass + row_in_warp;
+      const PoolT* row = pool + (src * s.pool_stride[0] + s.pool_offset(0, h, p_next_any < s.P ? p_next_any : 0));
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (p_next_any + r * rpw < s.P)
+#pragma unroll
+          for (int j = 0; j < KB; ++j)
+            stage_bytes_async<16>(row + r * pool_half + (j * map.lanes + li) * VEC, &next_chunk(r, j));
+      stage_commit();
+      next_ready = true;
+    }
     if constexpr (kWidened) {
       store_pieces(0);
       if (count > 1) load_pieces();  // token 1
@@ -873,8 +905,11 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
 // (what the kernel's registers allow), so that the first window's decision and the row's slots serve
 // several tiles without leaving multiprocessors idle at the end. More, smaller groups (at
 // least 6 or 12 waves: a fuller last wave) measured level or up to 11 % slower on an H200
-// (BENCHMARKS.md, ninth session).
-int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm) {
+// (BENCHMARKS.md, ninth session). With `two_if_a_wave` (16-bit pools, kWidened) at least
+// two where that still leaves a whole wave: with the next tile's rows copied during
+// this one (pick_next_rows), 2-11 % faster at T = 16 on an H200 than one tile per warp in
+// 3.2 waves (BENCHMARKS.md, thirteenth session); float32 pools measured 0-5 % slower.
+int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm, bool two_if_a_wave) {
   const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
   const int forced = env ? std::atoi(env) : 0;
   if (forced >= 1 && forced <= 64) return static_cast<int>(std::min<int64_t>(forced, tiles));
@@ -882,6 +917,7 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_s
   const int64_t slots = warps_per_sm * static_cast<int64_t>(num_sms());
   int per = 1;
   while (per * 2 <= tiles && warps_one_tile_each / (per * 2) >= kMinWaves * slots) per *= 2;
+  if (two_if_a_wave && per == 1 && tiles >= 2 && warps_one_tile_each / 2 >= slots) per = 2;
   return per;
 }
 
@@ -919,6 +955,17 @@ bool pick_bulk_stores(const Dims& d, int64_t tokens, int elem_size) {
   return elem_size == 4 && tokens >= 4 * d.T && lean_rows_per_sm(d) > 1200;
 }
 
+// Whether the lean kernel (kWidened) copies a warp's next tile's rows into shared memory
+// during this tile (kNextRows; TORCH_SSD_CUDA_MULTI_NEXT_ROWS=1 / =0 forces it on / off).
+// By default wherever a warp walks several tiles and the shared memory is not taken by
+// the bulk stores' buffers (with them: 28 KB per warp, fewer warps per multiprocessor,
+// 4-10 % slower on an H200). Measured on an H200 (BENCHMARKS.md, thirteenth session).
+bool pick_next_rows(int tiles_per_warp, bool bulk_stores) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_NEXT_ROWS");
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return tiles_per_warp > 1 && !bulk_stores;
+}
+
 template <typename PoolT, typename InT, int KB>
 void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows, int64_t tokens,
                  cudaStream_t stream) {
@@ -932,7 +979,8 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   L.rows_per_pass = lean_rows(path) * map.rows_per_warp();
   const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
   L.tiles = static_cast<int>(tiles);
-  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles, lean_warps_per_sm(path));
+  const int per = pick_multi_tiles(d.H * d.T * tiles, tiles, lean_warps_per_sm(path),
+                                   path == BcPath::kWidened && sizeof(PoolT) == 2);
   const unsigned groups = static_cast<unsigned>((tiles + per - 1) / per);
   // TORCH_SSD_CUDA_MULTI_ORDER=1: a head's tile groups side by side in the grid, as the
   // single-token lean kernel orders its tiles at large T (pick_lean_order). A tuning
@@ -954,10 +1002,14 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
       L.bulk_stores = pick_bulk_stores(d, tokens, static_cast<int>(sizeof(PoolT)));
       L.store_smem_offset = static_cast<int>(bc_bytes);
       const size_t store_row_bytes = d.N * sizeof(PoolT) + kStoreRowPad;  // the kernel's store_pitch
-      const size_t smem = bc_bytes + (L.bulk_stores ? 2 * static_cast<size_t>(L.rows_per_pass) * store_row_bytes : 0);
-      allow_smem(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, smem);
-      launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kWidened>, grid, dim3(kWarp), smem, stream, use_pdl(),
-                    m, L);
+      size_t smem = bc_bytes + (L.bulk_stores ? 2 * static_cast<size_t>(L.rows_per_pass) * store_row_bytes : 0);
+      L.next_rows = pick_next_rows(per, L.bulk_stores);
+      L.next_rows_offset = static_cast<int>(smem);
+      if (L.next_rows) smem += static_cast<size_t>(lean_rows(path)) * KB * kWarp * 16;
+      auto widened = L.next_rows ? multi_step_lean<PoolT, InT, KB, BcPath::kWidened, true>
+                                 : multi_step_lean<PoolT, InT, KB, BcPath::kWidened, false>;
+      allow_smem(widened, smem);
+      launch_kernel(widened, grid, dim3(kWarp), smem, stream, use_pdl(), m, L);
       break;
     }
     default:
