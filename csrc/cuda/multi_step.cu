@@ -905,11 +905,12 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
 // (what the kernel's registers allow), so that the first window's decision and the row's slots serve
 // several tiles without leaving multiprocessors idle at the end. More, smaller groups (at
 // least 6 or 12 waves: a fuller last wave) measured level or up to 11 % slower on an H200
-// (BENCHMARKS.md, ninth session). With `two_if_a_wave` (16-bit pools, kWidened) at least
-// two where that still leaves a whole wave: with the next tile's rows copied during
-// this one (pick_next_rows), 2-11 % faster at T = 16 on an H200 than one tile per warp in
-// 3.2 waves (BENCHMARKS.md, thirteenth session); float32 pools measured 0-5 % slower.
-int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm, bool two_if_a_wave) {
+// (BENCHMARKS.md, ninth session). With `at_least_two` (16-bit pools, kWidened) two
+// wherever one tile per warp fills kMinWaves waves: with the next tile's rows copied
+// during this one (pick_next_rows), 5-14 % faster at T = 16 on an H200 (1.6 and 2.6 waves
+// of two tiles against 3.2 and 5.2 of one; BENCHMARKS.md, thirteenth session); float32
+// pools measured up to 4 % slower.
+int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm, bool at_least_two) {
   const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
   const int forced = env ? std::atoi(env) : 0;
   if (forced >= 1 && forced <= 64) return static_cast<int>(std::min<int64_t>(forced, tiles));
@@ -917,7 +918,7 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_s
   const int64_t slots = warps_per_sm * static_cast<int64_t>(num_sms());
   int per = 1;
   while (per * 2 <= tiles && warps_one_tile_each / (per * 2) >= kMinWaves * slots) per *= 2;
-  if (two_if_a_wave && per == 1 && tiles >= 2 && warps_one_tile_each / 2 >= slots) per = 2;
+  if (at_least_two && per == 1 && tiles >= 2 && warps_one_tile_each >= kMinWaves * slots) per = 2;
   return per;
 }
 
