@@ -8,7 +8,8 @@
 
 --config takes the same names as tools/cuda_tune.py (block, pipe, pipe-w8, ...).
 --K K profiles the multi-token step instead (tools/bench_multi.py's inputs, K tokens per
-row; kernel names match regex:multi_step).
+row; kernel names match regex:multi_step); with --y-only, write_state=False (y only, no
+state written: where the loop waits without the K writes).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--config", default="pipe")
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--K", type=int, default=0, help="tokens per row: profile the multi-token step")
+    ap.add_argument("--y-only", action="store_true", help="with --K: write_state=False (no state written)")
     args = ap.parse_args()
     os.environ.update(parse_config(args.config))
     device = torch.device("cuda")
@@ -48,7 +50,7 @@ def main() -> int:
         multi = [MultiInputs(shape, args.T, args.K, bench.DTYPES[args.pool], torch.bfloat16, device, gen)
                  for _ in range(2)]
         for i in range(args.calls):
-            multi[i % 2].multi()
+            multi[i % 2].multi(write_state=not args.y_only)
         torch.cuda.synchronize()
         return 0
     sets = [bench.make_inputs(shape, args.T, 2 * args.T, bench.DTYPES[args.pool], torch.bfloat16, device, gen)

@@ -30,8 +30,9 @@
 #               bench-multi-base.log (list a pair twice, e.g. "bench-quick bench-quick-base
 #               bench-quick bench-quick-base", to see the run-to-run noise)
 #   builds      build and build-base at once (build-base in a second run of this script)
-#   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K]", see
-#               tools/cuda_profile.py; K: the multi-token step), report in ncu.txt; NCU_ARGS: more
+#   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K[:y]]", see
+#               tools/cuda_profile.py; K: the multi-token step, y: with write_state=False), report
+#               in ncu.txt; NCU_ARGS: more
 #               ncu arguments (e.g. --section SourceCounters)
 #   ncu-source  per NCU_CASES entry (default the bfloat16 single-token lean kernel): the stall
 #               reasons in full, and the per-instruction (SASS) page as CSV (ncu-source-<i>.csv)
@@ -111,14 +112,16 @@ env_info() {
 BUDGET_S="${BUDGET_S:-0}"
 MIN_STAGE_S="${MIN_STAGE_S:-30}"
 left() { echo $((BUDGET_S - SECONDS)); }
-# One NCU_CASES entry ("shape:pool:T:config[:K]"): ncu_one, Nsight Compute on one launch of
-# its kernel (the multi-token one when K is given), and profiled, the program it launches.
+# One NCU_CASES entry ("shape:pool:T:config[:K[:y]]"): ncu_one, Nsight Compute on one launch
+# of its kernel (the multi-token one when K is given; y: with write_state=False), and
+# profiled, the program it launches.
 ncu_case() {
-  local shape pool T config K kernel=decode_step
-  IFS=: read -r shape pool T config K <<<"$1"
+  local shape pool T config K mode kernel=decode_step
+  IFS=: read -r shape pool T config K mode <<<"$1"
   [[ -n "$K" ]] && kernel=multi_step
   ncu_one=(ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 4 --launch-count 1)
   profiled=("$PY" tools/cuda_profile.py --shape "$shape" --pool "$pool" --T "$T" --config "$config" --K "${K:-0}")
+  [[ $mode == y ]] && profiled+=(--y-only)
 }
 # Into BASE_TREE for a *-base stage; a missing tree fails the stage (status 2) instead of the script.
 enter_base() {
