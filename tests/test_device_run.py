@@ -22,10 +22,15 @@ pytestmark = pytest.mark.skipif(
     reason="needs bash and coreutils' timeout",
 )
 
-# Records where it ran and with what; `setup.py build_ext` fails with status 3 in a tree
-# named in FAKE_FAIL_IN.
+# Records where it ran and with what, writes the file after --json; `setup.py build_ext`
+# fails with status 3 in a tree named in FAKE_FAIL_IN.
 FAKE_PYTHON = """#!/bin/sh
 echo "fake-python cwd=$PWD args=$*"
+prev=
+for a in "$@"; do
+  [ "$prev" = --json ] && echo "{}" > "$a"
+  prev=$a
+done
 case "$*" in
   *build_ext*)
     mkdir -p torch_ssd && : > torch_ssd/_C.so
@@ -120,3 +125,12 @@ def test_failed_build_stops_the_script(scratch, tmp_path):
     assert r.returncode != 0
     assert status["build"].startswith("FAILED (exit 3)")
     assert "bench-quick" not in status
+
+
+def test_a_stage_listed_twice_keeps_both_tables(scratch, tmp_path):
+    tree, fake = scratch
+    r, out, status = run_summary(tree, fake, tmp_path, ["build", "bench-quick", "bench-multi", "bench-quick",
+                                                        "bench-multi"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {"bench.json", "bench-2.json", "bench-multi.json", "bench-multi-2.json"} <= {p.name for p in out.iterdir()}
+    assert f"--json {out / 'bench-2.json'}" in (out / "bench.log").read_text()

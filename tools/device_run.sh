@@ -28,7 +28,8 @@
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
 #               after in one call; logs build-base.log, tune-base.log, bench-base.log,
 #               bench-multi-base.log (list a pair twice, e.g. "bench-quick bench-quick-base
-#               bench-quick bench-quick-base", to see the run-to-run noise)
+#               bench-quick bench-quick-base", to see the run-to-run noise; the logs append,
+#               the second run's table goes to bench-2.json, bench-base-2.json, ...)
 #   builds      build and build-base at once (build-base in a second run of this script)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K[:y]]", see
 #               tools/cuda_profile.py; K: the multi-token step, y: with write_state=False), report
@@ -71,6 +72,7 @@ SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-$PWD/device_out}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"  # absolute: the *-base stages run in BASE_TREE
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -112,6 +114,13 @@ env_info() {
 BUDGET_S="${BUDGET_S:-0}"
 MIN_STAGE_S="${MIN_STAGE_S:-30}"
 left() { echo $((BUDGET_S - SECONDS)); }
+# A JSON file under OUT no earlier stage of this run wrote: NAME.json, else NAME-2.json, ...
+# (a stage listed twice keeps both runs' tables).
+json_path() {
+  local path="$OUT/$1.json" n=2
+  while [[ -e $path ]]; do path="$OUT/$1-$n.json"; n=$((n + 1)); done
+  echo "$path"
+}
 # One NCU_CASES entry ("shape:pool:T:config[:K[:y]]"): ncu_one, Nsight Compute on one launch
 # of its kernel (the multi-token one when K is given; y: with write_state=False), and
 # profiled, the program it launches.
@@ -303,7 +312,7 @@ PYEOF
       compile=()
       [[ $stage == bench-quick* ]] && compile=(--no-compile)
       run_stage "$stage" "$OUT/$log.log" "${TO[@]}" "$PY" -m torch_ssd --device cuda --no-progress "${compile[@]}" \
-        --json "$OUT/$log.json" ${BENCH_ARGS:-}
+        --json "$(json_path "$log")" ${BENCH_ARGS:-}
       [[ $stage == *-base ]] && popd >/dev/null
       ;;
     bench-multi | bench-multi-block | bench-multi-base)
@@ -313,7 +322,7 @@ PYEOF
       [[ $stage == bench-multi-block ]] && kernel=block
       if [[ $stage == bench-multi-base ]]; then enter_base "$stage" || continue; fi
       run_stage "$stage" "$OUT/$stage.log" "${TO[@]}" env TORCH_SSD_CUDA_KERNEL="$kernel" "$PY" tools/bench_multi.py \
-        --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" --json "$OUT/$stage.json" \
+        --device cuda --no-compile --no-reference --budget "${MULTI_BUDGET:-0.15}" --json "$(json_path "$stage")" \
         ${MULTI_ARGS:-}
       [[ $stage == bench-multi-base ]] && popd >/dev/null
       ;;
