@@ -2,7 +2,7 @@
 
 The device calls rely on it: `builds` (build and build-base at once), the *-base stages
 running in BASE_TREE, a missing BASE_TREE failing only its stages, PACK=1 leaving a single
-archive in OUT. The script is copied into a scratch tree, so its build stage's clean-up
+archive in OUT, a bench stage listed twice keeping both JSON tables. The script is copied into a scratch tree, so its build stage's clean-up
 (`rm -f torch_ssd/_C*.so`) never touches this checkout.
 """
 

@@ -33,8 +33,7 @@
 #   builds      build and build-base at once (build-base in a second run of this script)
 #   ncu         Nsight Compute on one launch per NCU_CASES entry ("shape:pool:T:config[:K[:y]]", see
 #               tools/cuda_profile.py; K: the multi-token step, y: with write_state=False), report
-#               in ncu.txt; NCU_ARGS: more
-#               ncu arguments (e.g. --section SourceCounters)
+#               in ncu.txt; NCU_ARGS: more ncu arguments (e.g. --section SourceCounters)
 #   ncu-source  per NCU_CASES entry (default the bfloat16 single-token lean kernel): the stall
 #               reasons in full, and the per-instruction (SASS) page as CSV (ncu-source-<i>.csv)
 #               summarised by tools/ncu_source_summary.py (instructions and stall samples by how
