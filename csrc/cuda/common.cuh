@@ -422,6 +422,18 @@ __device__ __forceinline__ float row_sum(float v, int lanes) {
   for (int off = lanes >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;
 }
+// The same for ROWS rows at once, each summed in row_sum's order (the same bits): the
+// rows' shuffles interleave, so each step waits for one shuffle's latency, not ROWS.
+template <int ROWS>
+__device__ __forceinline__ void row_sums(float (&v)[ROWS], int lanes) {
+  for (int off = lanes >> 1; off > 0; off >>= 1) {
+    float other[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) other[r] = __shfl_xor_sync(kFullMask, v[r], off);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) v[r] += other[r];
+  }
+}
 
 // A per-channel scalar whose type is known only at run time (dt_bias, D, A), in two
 // steps: its bits, with no branch around the load (an absent operand reads as 0), then

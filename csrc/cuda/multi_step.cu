@@ -842,10 +842,10 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
             for (int j = 0; j < KB; ++j)
               store_chunk_raw(row + r * pool_half + (j * map.lanes + li) * VEC, narrow_chunk<VEC, PoolT>(st[r][j]));
       }
+      row_sums(acc, map.lanes);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float sum = row_sum(acc[r], map.lanes);
-        const float got = __shfl_sync(kFullMask, sum, q_own << map.lanes_log2);
+        const float got = __shfl_sync(kFullMask, acc[r], q_own << map.lanes_log2);
         if (jt == k_lane) y_sum[r] = got;
       }
       if (group_ends) {
