@@ -600,6 +600,13 @@ __device__ __forceinline__ void store_chunk_raw(T* p, uint4 raw) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// The same with the evict-first ("streaming") hint: a state that no later access of the
+// kernel reads (the multi-token step's K writes) need not push its inputs out of L2.
+template <typename T>
+__device__ __forceinline__ void store_chunk_streaming(T* p, uint4 raw) {
+  __stcs(reinterpret_cast<uint4*>(p), raw);
+}
+
 // The same as one 16-byte store instruction, always: in the lean kernel's streamed
 // rows the compiler split some chunks into their four words and stored those with
 // four 32-bit stores. The memory clobber keeps it in program order with every other

@@ -839,8 +839,12 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
         for (int r = 0; r < kRows; ++r)
           if (valid[r])
 #pragma unroll
-            for (int j = 0; j < KB; ++j)
-              store_chunk_raw(row + r * pool_half + (j * map.lanes + li) * VEC, narrow_chunk<VEC, PoolT>(st[r][j]));
+            for (int j = 0; j < KB; ++j) {
+              PoolT* const at_chunk = row + r * pool_half + (j * map.lanes + li) * VEC;
+              // kWidened: evict-first (the other paths spilled 8-100 bytes more with it at sm_90)
+              if constexpr (kWidened) store_chunk_streaming(at_chunk, narrow_chunk<VEC, PoolT>(st[r][j]));
+              else store_chunk_raw(at_chunk, narrow_chunk<VEC, PoolT>(st[r][j]));
+            }
       }
       row_sums(acc, map.lanes);
 #pragma unroll
