@@ -397,7 +397,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 // and the row's slots serve them all; kWidened (kNextRows, pick_next_rows) copies the
 // next tile's rows into shared memory while this tile's tokens run.
 // The state stays in float32 registers across the tokens and is rounded once per
-// store. Mapping along N, per-element arithmetic and reduction order are
+// store; kWidened stores it evict-first (no access of the step reads it again; the
+// step's inputs stay in L2: 1.3-6.4 % faster on an H200, BENCHMARKS.md, fifteenth session). Mapping along N, per-element arithmetic and reduction order are
 // multi_step_kernel's (and so, on float32 pools, K single steps'): the same bits
 // (tests/test_multi_token.py checks it).
 // Varlen: the blocks of grid row T clear y of the tokens no row owns.
@@ -841,7 +842,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
               PoolT* const at_chunk = row + r * pool_half + (j * map.lanes + li) * VEC;
-              // kWidened: evict-first (the other paths spilled 8-100 bytes more with it at sm_90)
+              // kWidened: evict-first (with it the other paths spilled up to 112 bytes more at sm_90)
               if constexpr (kWidened) store_chunk_streaming(at_chunk, narrow_chunk<VEC, PoolT>(st[r][j]));
               else store_chunk_raw(at_chunk, narrow_chunk<VEC, PoolT>(st[r][j]));
             }
