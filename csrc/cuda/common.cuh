@@ -424,6 +424,7 @@ __device__ __forceinline__ float row_sum(float v, int lanes) {
 }
 // The same for ROWS rows at once, each summed in row_sum's order (the same bits): the
 // rows' shuffles interleave, so each step waits for one shuffle's latency, not ROWS.
+// (row_sum itself written as row_sums<1> changed the single-token kernels' sm_90 code.)
 template <int ROWS>
 __device__ __forceinline__ void row_sums(float (&v)[ROWS], int lanes) {
   for (int off = lanes >> 1; off > 0; off >>= 1) {
