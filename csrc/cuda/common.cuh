@@ -348,12 +348,17 @@ __device__ __forceinline__ void prefetch_l2_bytes(const void* p, uint32_t bytes)
 // Bulk copies from shared to global memory (sm_90's cp.async.bulk): the copy engine
 // writes the bytes while the warp goes on computing, instead of the warp's stores
 // waiting in the memory pipeline that its shared-memory loads also use. `bytes` a
-// multiple of 16, both addresses 16-byte aligned. Before sm_90 (where the host never
-// asks for them) plain 16-byte stores.
+// multiple of 16, both addresses 16-byte aligned. The written lines are evict-first in
+// L2, as the lean kernels' 16-byte state stores (store_chunk_streaming): no later access
+// of the kernel reads them, and its inputs stay. Before sm_90 (where the host never asks
+// for them) plain 16-byte stores.
 __device__ __forceinline__ void bulk_store(void* global, const void* smem, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const unsigned src = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global), "r"(src), "r"(bytes)
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;\n" ::"l"(global),
+               "r"(src), "r"(bytes), "l"(policy)
                : "memory");
 #else
   for (uint32_t i = 0; i < bytes; i += 16)
