@@ -399,9 +399,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 // The state stays in float32 registers across the tokens and is rounded once per
 // store; kWidened stores it evict-first (no access of the step reads it again; the
 // step's inputs stay in L2: 1.3-6.4 % faster on an H200, BENCHMARKS.md, fifteenth
-// session), its bulk copies too (0-1.7 %, sixteenth session). Mapping along N, per-element arithmetic and reduction order are
-// multi_step_kernel's (and so, on float32 pools, K single steps'): the same bits
-// (tests/test_multi_token.py checks it).
+// session), its bulk copies too (0-1.7 %, sixteenth session). Mapping along N,
+// per-element arithmetic and reduction order are multi_step_kernel's (and so, on
+// float32 pools, K single steps'): the same bits (tests/test_multi_token.py checks it).
 // Varlen: the blocks of grid row T clear y of the tokens no row owns.
 // ---------------------------------------------------------------------------
 
