@@ -419,6 +419,8 @@ struct LeanMultiLaunch {
   int next_rows_offset = 0;   // bytes into the dynamic shared memory: those rows, each lane's chunks
 };
 
+constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
+
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
 constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (two per warp)
 constexpr int kMaxWidePieces = 2;      // kWidened: pieces of B / C per lane and token
@@ -443,7 +445,7 @@ constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ?
 // inputs are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take more
 // for their B / C chunks; a cap of 96 registers spilled more and ran 5-30 % slower
 // (BENCHMARKS.md, 2026-12-01).
-template <typename PoolT, typename InT, int KB, BcPath kBc, bool kNextRows = false>
+template <typename PoolT, typename InT, int KB, BcPath kBc, bool kNextRows = false, int kLanes = 0>
 __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
                                   kBc == BcPath::kWidened ? lean_warps_per_sm(kBc) : (sizeof(InT) == 2 ? 2 : 1))
     multi_step_lean(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
@@ -454,14 +456,19 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   constexpr int kRows = lean_rows(kBc);
   const StepParams& s = m.step;
   const RowMap& map = L.map;
+  // kLanes: a row's lanes fixed at compile time (0: map.lanes, read at run time); the
+  // chunk offsets, the y tree and the token-group arithmetic then fold into constants.
+  static_assert(kLanes >= 0 && kLanes <= kWarp && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two");
+  const int lanes_log2 = kLanes ? log2_of(kLanes) : map.lanes_log2;
+  const int lanes = kLanes ? kLanes : map.lanes;  // (the run-time values straight from the parameters)
   const LeanBlock at = lean_block(L.tiles_inner);
   const uint32_t h = at.h, t = at.row;
   const uint32_t group = at.tile, groups = at.tiles, heads = at.heads;  // this warp's tiles: group, + groups, ...
   const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
-  const int li = lane & (map.lanes - 1);
-  const int rpw_log2 = 5 - map.lanes_log2;  // rows per warp: 32 / lanes
-  const int row_in_warp = lane >> map.lanes_log2;
+  const int li = lane & (lanes - 1);
+  const int rpw_log2 = 5 - lanes_log2;  // rows per warp: 32 / lanes
+  const int row_in_warp = lane >> lanes_log2;
   const int q_own = lane & ((1 << rpw_log2) - 1);  // the row of this lane's (row, token) pairs
   const int k_lane = lane >> rpw_log2;              // its token in each group of `lanes` tokens
 
@@ -472,7 +479,10 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     return;
   }
   const RowTokens tokens = multi_row_tokens(m, t);
-  const int64_t first = tokens.first, count = tokens.count;
+  // Token and channel numbers in 32 bits (launch_lean: tokens and P below 2^31).
+  const int64_t first = tokens.first;
+  const int count = static_cast<int>(tokens.count);
+  const int P = static_cast<int>(s.P);
   if (count == 0) return;  // owns no token
   const int64_t src = multi_source_slot(m, t);
   const bool pad_row = !slot_addressable(src, s.S, s.pad_slot_id);
@@ -489,7 +499,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   // number (every addressable slot is below S < 2^31, host-checked), or -1 when it
   // writes nothing or a later write to the same slot overrides it.
   const bool may_collide = m.write_state && m.dst.present();
-  auto window_dests = [&](int64_t kw) {
+  auto window_dests = [&](int kw) {
     const int w = lane & (kWindow - 1);
     const int64_t d = kw + w < count ? multi_dest_slot(m, t, kw + w, count) : kNoSlot;
     const int32_t mine = slot_addressable(d, s.S, s.pad_slot_id) ? static_cast<int32_t>(d) : -1;
@@ -529,24 +539,27 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   InT* const staged = reinterpret_cast<InT*>(lean_smem);
   constexpr int kPieceBytes = RawChunk<VEC, InT>::kBytes >= 16 ? 16 : 8;  // one copy: the chunks' alignment
   constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
-  const int n_row = map.lanes * KB * VEC;  // N: a lean row splits evenly over its lanes
+  // Copies per B or C row (launch_lean's row_pieces_log2, the same rule).
+  const int row_pieces_log2 =
+      kLanes ? log2_of(kLanes * KB * VEC * static_cast<int>(sizeof(InT)) / kPieceBytes) : L.row_pieces_log2;
+  const int n_row = lanes * KB * VEC;  // N: a lean row splits evenly over its lanes
   const int stage_tokens = 1 << L.stage_log2;
   // Token k's staged B row (its C row follows it).
-  auto staged_b = [&](int64_t k) {
+  auto staged_b = [&](int k) {
     const int buf = static_cast<int>(k >> L.stage_log2) & 1;
     return staged + (buf * stage_tokens + static_cast<int>(k & (stage_tokens - 1))) * 2 * n_row;
   };
   // Issue stage st's copies (its tokens that exist) and close their group.
-  auto issue_stage = [&](int64_t st) {
-    const int64_t k0 = st << L.stage_log2;
-    const int64_t left = count - k0;
+  auto issue_stage = [&](int st) {
+    const int k0 = st << L.stage_log2;
+    const int left = count - k0;
     const int n_tok = left <= 0 ? 0 : left < stage_tokens ? static_cast<int>(left) : stage_tokens;
-    const int pieces = n_tok << (L.row_pieces_log2 + 1);  // B and C rows of n_tok tokens
+    const int pieces = n_tok << (row_pieces_log2 + 1);  // B and C rows of n_tok tokens
     InT* const buf = staged_b(k0);
     for (int i = lane; i < pieces; i += kWarp) {
-      const int row = i >> L.row_pieces_log2;  // 2 * token + (0: B, 1: C)
-      const int piece = i & ((1 << L.row_pieces_log2) - 1);
-      const int64_t k = k0 + (row >> 1);
+      const int row = i >> row_pieces_log2;  // 2 * token + (0: B, 1: C)
+      const int piece = i & ((1 << row_pieces_log2) - 1);
+      const int k = k0 + (row >> 1);
       const InT* src = (row & 1 ? C0 + k * m.C_tok : B0 + k * m.B_tok) + piece * kPieceElems;
       stage_bytes_async<kPieceBytes>(src, buf + row * n_row + piece * kPieceElems);
     }
@@ -559,7 +572,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   // i into the buffer's floats from i * kPieceElems on.
   float* const wide = reinterpret_cast<float*>(lean_smem);
   float* const wide_lane = wide + lane * kPieceElems;
-  const int wide_pieces = 2 << L.row_pieces_log2;
+  const int wide_pieces = 2 << row_pieces_log2;
   RawChunk<kPieceElems, InT> pieces[kMaxWidePieces];
   const InT* piece_at[kMaxWidePieces];  // this lane's pieces of the next token to load
   bool piece_of_c[kMaxWidePieces];
@@ -567,8 +580,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 #pragma unroll
     for (int i = 0; i < kMaxWidePieces; ++i) {
       const int piece = lane + i * kWarp;
-      piece_of_c[i] = (piece >> L.row_pieces_log2) != 0;
-      piece_at[i] = (piece_of_c[i] ? C0 : B0) + (piece & ((1 << L.row_pieces_log2) - 1)) * kPieceElems;
+      piece_of_c[i] = (piece >> row_pieces_log2) != 0;
+      piece_at[i] = (piece_of_c[i] ? C0 : B0) + (piece & ((1 << row_pieces_log2) - 1)) * kPieceElems;
     }
   };
   auto load_pieces = [&]() {  // the next token's pieces into registers
@@ -579,7 +592,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       piece_at[i] += piece_of_c[i] ? m.C_tok : m.B_tok;
     }
   };
-  auto store_pieces = [&](int64_t k) {  // the loaded pieces, widened into token k's buffer
+  auto store_pieces = [&](int k) {  // the loaded pieces, widened into token k's buffer
     float* const buf = wide_lane + static_cast<int>(k & 1) * 2 * n_row;
 #pragma unroll
     for (int i = 0; i < kMaxWidePieces; ++i) {
@@ -618,17 +631,17 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 
 #pragma unroll 1
   for (int tile = group; tile < L.tiles; tile += groups) {
-    const int64_t warp_base = static_cast<int64_t>(tile) * L.rows_per_pass;
-    const int64_t p_any = warp_base + row_in_warp;  // this thread's row 0 (its chunks along N)
-    const int64_t p = p_any < s.P ? p_any : 0;
+    const int warp_base = tile * L.rows_per_pass;
+    const int p_any = warp_base + row_in_warp;  // this thread's row 0 (its chunks along N)
+    const int p = p_any < P ? p_any : 0;
     bool valid[kRows];
-    const int64_t p_own_any = warp_base + q_own;  // row 0 of its (row, token) pairs
-    const int64_t p_own = p_own_any < s.P ? p_own_any : 0;
+    const int p_own_any = warp_base + q_own;  // row 0 of its (row, token) pairs
+    const int p_own = p_own_any < P ? p_own_any : 0;
     bool own_valid[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      valid[r] = p_any + r * rpw < s.P;
-      own_valid[r] = p_own_any + r * rpw < s.P;
+      valid[r] = p_any + r * rpw < P;
+      own_valid[r] = p_own_any + r * rpw < P;
     }
     InT* const y_own = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_own * s.y_stride[2]);
     auto y_half = [&](int r) { return half_at(y_own, s.y_stride[2], r, own_valid[r]); };
@@ -636,7 +649,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
         if (own_valid[r])
-          for (int64_t k = k_lane; k < count; k += map.lanes) y_half(r)[k * m.y_tok] = narrow<InT>(0.0f);
+          for (int k = k_lane; k < count; k += lanes) y_half(r)[k * m.y_tok] = narrow<InT>(0.0f);
       continue;
     }
     const int64_t row_offset = s.pool_offset(0, h, p);  // row 0's, + slot * pool_stride[0]
@@ -653,7 +666,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int j = 0; j < KB; ++j)
-          raw[r][j] = valid[r] ? load_chunk_raw(row + r * pool_half + (j * map.lanes + li) * VEC)
+          raw[r][j] = valid[r] ? load_chunk_raw(row + r * pool_half + (j * lanes + li) * VEC)
                                : make_uint4(0, 0, 0, 0);
     }
 
@@ -665,7 +678,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     auto load_bc = [&]() {
 #pragma unroll
       for (int j = 0; j < (kRegisters ? KB : 0); ++j) {
-        const int c = j * map.lanes + li;
+        const int c = j * lanes + li;
         nb[j] = load_raw_shared<VEC>(b_next + c * VEC);
         nc[j] = load_raw_shared<VEC>(c_next + c * VEC);
       }
@@ -689,8 +702,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     // together (a load and its conversion under `if (z)` made the warp wait for it there).
     const bool has_z = s.z.present();
     const InT* const z_own = has_z ? pair_in(s.z, p_own) : x_own;
-    auto load_pair = [&](int64_t k) {
-      const int64_t kr = k < count ? k : count - 1;
+    auto load_pair = [&](int k) {
+      const int kr = k < count ? k : count - 1;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         nx[r] = widen(half_at(x_own, s.x.stride[2], r, own_valid[r])[kr * m.x_tok]);
@@ -701,7 +714,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     };
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const int64_t pr = own_valid[r] ? p_own + r * rpw : p_own;
+      const int pr = own_valid[r] ? p_own + r * rpw : p_own;
       if (s.dt_bias.present()) in[r].dt_bias = s.dt_bias.at(h, pr);
       if (s.D.present()) in[r].D = s.D.at(h, pr);
       a_own[r] = s.A.at(h, pr);
@@ -717,14 +730,14 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     // (same lane, in order: its reads are served before the copies land).
     next_ready = false;
     if (kNextRows && tile + groups < L.tiles) {
-      const int64_t p_next_any = static_cast<int64_t>(tile + groups) * L.rows_per_pass + row_in_warp;
-      const PoolT* row = pool + (src * s.pool_stride[0] + s.pool_offset(0, h, p_next_any < s.P ? p_next_any : 0));
+      const int p_next_any = (tile + static_cast<int>(groups)) * L.rows_per_pass + row_in_warp;
+      const PoolT* row = pool + (src * s.pool_stride[0] + s.pool_offset(0, h, p_next_any < P ? p_next_any : 0));
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        if (p_next_any + r * rpw < s.P)
+        if (p_next_any + r * rpw < P)
 #pragma unroll
           for (int j = 0; j < KB; ++j)
-            stage_bytes_async<16>(row + r * pool_half + (j * map.lanes + li) * VEC, &next_chunk(r, j));
+            stage_bytes_async<16>(row + r * pool_half + (j * lanes + li) * VEC, &next_chunk(r, j));
       stage_commit();
       next_ready = true;
     }
@@ -748,8 +761,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     start_group();
     int32_t window = first_window;
 #pragma unroll 1
-    for (int64_t k = 0; k < count; ++k) {
-      const int jt = static_cast<int>(k & (map.lanes - 1));  // token within the group
+    for (int k = 0; k < count; ++k) {
+      const int jt = static_cast<int>(k & (lanes - 1));  // token within the group
       if (k > 0 && k % kWindow == 0) window = window_dests(k);
       if (kStaged && (k & (stage_tokens - 1)) == 0) {  // a new stage: the next one goes out, this one must be in
         __syncwarp();  // the buffer the next stage fills is read by no lane
@@ -776,7 +789,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       }
 #pragma unroll
       for (int j = 0; j < KB; ++j) {
-        const int c = j * map.lanes + li;
+        const int c = j * lanes + li;
         float b[VEC], cc[VEC];
         if constexpr (kStaged) {
           widen_raw(load_raw_shared<VEC, InT, true>(b_tok + c * VEC), b);
@@ -805,7 +818,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       // group's x, dt, z issued a group earlier, as this group starts, measured level on an
       // H200; issuing a tile's x, dt, z before its A / D / dt_bias, mostly slower (up to 11 %):
       // ninth session.)
-      const bool group_ends = jt == map.lanes - 1 || k + 1 == count;
+      const bool group_ends = jt == lanes - 1 || k + 1 == count;
       if (k + 1 < count) {
         if constexpr (kRegisters) {
           b_next += m.B_tok, c_next += m.C_tok;
@@ -826,11 +839,11 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
           if (valid[r])
 #pragma unroll
             for (int j = 0; j < KB; ++j)
-              *reinterpret_cast<uint4*>(buf + (row_in_warp + r * rpw) * store_pitch + (j * map.lanes + li) * VEC) =
+              *reinterpret_cast<uint4*>(buf + (row_in_warp + r * rpw) * store_pitch + (j * lanes + li) * VEC) =
                   narrow_chunk<VEC, PoolT>(st[r][j]);
         bulk_fence_shared();
         __syncwarp();  // the whole tile is in the buffer
-        for (int q = lane; q < L.rows_per_pass && warp_base + q < s.P; q += kWarp)
+        for (int q = lane; q < L.rows_per_pass && warp_base + q < P; q += kWarp)
           bulk_store(pool + (dst * s.pool_stride[0] + s.pool_offset(0, h, warp_base + q)), buf + q * store_pitch,
                      static_cast<uint32_t>(n_row * sizeof(PoolT)));
         bulk_commit();
@@ -842,20 +855,20 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
           if (valid[r])
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
-              PoolT* const at_chunk = row + r * pool_half + (j * map.lanes + li) * VEC;
+              PoolT* const at_chunk = row + r * pool_half + (j * lanes + li) * VEC;
               // kWidened: evict-first (with it the other paths spilled up to 112 bytes more at sm_90)
               if constexpr (kWidened) store_chunk_streaming(at_chunk, narrow_chunk<VEC, PoolT>(st[r][j]));
               else store_chunk_raw(at_chunk, narrow_chunk<VEC, PoolT>(st[r][j]));
             }
       }
-      row_sums(acc, map.lanes);
+      row_sums(acc, lanes);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float got = __shfl_sync(kFullMask, acc[r], q_own << map.lanes_log2);
+        const float got = __shfl_sync(kFullMask, acc[r], q_own << lanes_log2);
         if (jt == k_lane) y_sum[r] = got;
       }
       if (group_ends) {
-        const int64_t k_own = k - jt + k_lane;
+        const int k_own = k - jt + k_lane;
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
           if (own_valid[r] && k_own < count) y_half(r)[k_own * m.y_tok] = narrow<InT>(finish_y(s, y_sum[r], in[r]));
@@ -973,6 +986,15 @@ bool pick_next_rows(int tiles_per_warp, bool bulk_stores) {
   return tiles_per_warp > 1 && !bulk_stores;
 }
 
+// The lanes per row that the widened kernel is also compiled for (N = 128, the usual
+// state size: 4 lanes of 32 elements), the others reading map.lanes at run time.
+// TORCH_SSD_CUDA_MULTI_FIXED_LANES=0 takes the run-time form for it too (A / B runs).
+constexpr int kFixedLanes = 4;
+bool want_fixed_lanes() {
+  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_FIXED_LANES");
+  return !(env && env[0] == '0');
+}
+
 template <typename PoolT, typename InT, int KB>
 void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows, int64_t tokens,
                  cudaStream_t stream) {
@@ -1013,8 +1035,11 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
       L.next_rows = pick_next_rows(per, L.bulk_stores);
       L.next_rows_offset = static_cast<int>(smem);
       if (L.next_rows) smem += static_cast<size_t>(lean_rows(path)) * KB * kWarp * 16;
-      auto widened = L.next_rows ? multi_step_lean<PoolT, InT, KB, BcPath::kWidened, true>
-                                 : multi_step_lean<PoolT, InT, KB, BcPath::kWidened, false>;
+      const bool fixed = map.lanes == kFixedLanes && want_fixed_lanes();
+      auto widened = L.next_rows ? (fixed ? multi_step_lean<PoolT, InT, KB, BcPath::kWidened, true, kFixedLanes>
+                                          : multi_step_lean<PoolT, InT, KB, BcPath::kWidened, true>)
+                                 : (fixed ? multi_step_lean<PoolT, InT, KB, BcPath::kWidened, false, kFixedLanes>
+                                          : multi_step_lean<PoolT, InT, KB, BcPath::kWidened, false>);
       allow_smem(widened, smem);
       launch_kernel(widened, grid, dim3(kWarp), smem, stream, use_pdl(), m, L);
       break;
@@ -1045,9 +1070,11 @@ void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, co
     using PoolT = decltype(tag);
     const RowMap map = step_row_map<PoolT>(d.N);
     const int64_t grid_rows = d.T + (varlen ? 1 : 0);  // varlen: a row of blocks that clear unowned tokens
-    // The lean kernel keeps a lane's whole row in 32 float32 registers (KB * VEC).
-    const bool lean = want_lean() && map.chunks_per_lane * vec_of<PoolT>() == 32 && d.S < (int64_t{1} << 31) &&
-                      d.T * multi_write_columns(m) < (int64_t{1} << 31) &&
+    // The lean kernel keeps a lane's whole row in 32 float32 registers (KB * VEC), and
+    // counts slots, tokens and channels in 32 bits.
+    constexpr int64_t k32 = int64_t{1} << 31;
+    const bool lean = want_lean() && map.chunks_per_lane * vec_of<PoolT>() == 32 && d.S < k32 &&
+                      d.T * multi_write_columns(m) < k32 && (varlen ? md.L : d.T * md.K) < k32 && d.P < k32 &&
                       lean_applies<PoolT>(d, map, unit, a_per_n, grid_rows, x, dt, B, C, z, y);
     if (lean) {
       auto with_in_type = [&](auto fn) {
