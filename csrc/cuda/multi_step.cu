@@ -387,7 +387,11 @@ __global__ void __launch_bounds__(kMaxThreads)
 //     are computed once per pair: lane l owns row l % rows_per_warp of each of the
 //     thread's kRows row blocks and token l / rows_per_warp of each group of
 //     `lanes` tokens, and shuffles them to the row's lanes;
-//   * programmatic dependent launch on sm_90.
+//   * programmatic dependent launch on sm_90;
+//   * kWidened for N = 128 (4 lanes per row, the usual state size) also compiled with the
+//     lanes fixed (kLanes, kFixedLanes): the chunk offsets, the y tree and the token-group
+//     arithmetic become constants, 14 % fewer instructions and 0.6-4.7 % faster on an
+//     H200 (BENCHMARKS.md, seventeenth session).
 // Which writes a later write to the same slot overrides (multi_last_writer's rule)
 // is decided by the warp for a window of kWindow tokens at a time: each lane takes
 // some of the later rows (their source check once per row) and compares their
@@ -1071,10 +1075,12 @@ void multi_into(const MultiDims& md, const Tensor& ssm_pool, const Tensor& x, co
     const RowMap map = step_row_map<PoolT>(d.N);
     const int64_t grid_rows = d.T + (varlen ? 1 : 0);  // varlen: a row of blocks that clear unowned tokens
     // The lean kernel keeps a lane's whole row in 32 float32 registers (KB * VEC), and
-    // counts slots, tokens and channels in 32 bits.
+    // counts slots, tokens and channels in 32 bits (tokens and channels with room for a
+    // tile or a few tokens past the end).
     constexpr int64_t k32 = int64_t{1} << 31;
     const bool lean = want_lean() && map.chunks_per_lane * vec_of<PoolT>() == 32 && d.S < k32 &&
-                      d.T * multi_write_columns(m) < k32 && (varlen ? md.L : d.T * md.K) < k32 && d.P < k32 &&
+                      d.T * multi_write_columns(m) < k32 && (varlen ? md.L : d.T * md.K) < k32 / 2 &&
+                      d.P < k32 / 2 &&
                       lean_applies<PoolT>(d, map, unit, a_per_n, grid_rows, x, dt, B, C, z, y);
     if (lean) {
       auto with_in_type = [&](auto fn) {
