@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 //   * programmatic dependent launch on sm_90;
 //   * kWidened for N = 128 (4 lanes per row, the usual state size) also compiled with the
 //     lanes fixed (kLanes, kFixedLanes): the chunk offsets, the y tree and the token-group
-//     arithmetic become constants, 14 % fewer instructions and 0.6-4.7 % faster on an
+//     arithmetic become constants, 14 % fewer instructions and 0.4-4.9 % faster on an
 //     H200 (BENCHMARKS.md, seventeenth session).
 // Which writes a later write to the same slot overrides (multi_last_writer's rule)
 // is decided by the warp for a window of kWindow tokens at a time: each lane takes
@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     return;
   }
   const RowTokens tokens = multi_row_tokens(m, t);
-  // Token and channel numbers in 32 bits (launch_lean: tokens and P below 2^31).
+  // Token and channel numbers in 32 bits (multi_into: tokens and P below 2^30).
   const int64_t first = tokens.first;
   const int count = static_cast<int>(tokens.count);
   const int P = static_cast<int>(s.P);
@@ -550,14 +550,14 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   const int stage_tokens = 1 << L.stage_log2;
   // Token k's staged B row (its C row follows it).
   auto staged_b = [&](int k) {
-    const int buf = static_cast<int>(k >> L.stage_log2) & 1;
-    return staged + (buf * stage_tokens + static_cast<int>(k & (stage_tokens - 1))) * 2 * n_row;
+    const int buf = (k >> L.stage_log2) & 1;
+    return staged + (buf * stage_tokens + (k & (stage_tokens - 1))) * 2 * n_row;
   };
   // Issue stage st's copies (its tokens that exist) and close their group.
   auto issue_stage = [&](int st) {
     const int k0 = st << L.stage_log2;
     const int left = count - k0;
-    const int n_tok = left <= 0 ? 0 : left < stage_tokens ? static_cast<int>(left) : stage_tokens;
+    const int n_tok = left <= 0 ? 0 : left < stage_tokens ? left : stage_tokens;
     const int pieces = n_tok << (row_pieces_log2 + 1);  // B and C rows of n_tok tokens
     InT* const buf = staged_b(k0);
     for (int i = lane; i < pieces; i += kWarp) {
@@ -597,7 +597,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     }
   };
   auto store_pieces = [&](int k) {  // the loaded pieces, widened into token k's buffer
-    float* const buf = wide_lane + static_cast<int>(k & 1) * 2 * n_row;
+    float* const buf = wide_lane + (k & 1) * 2 * n_row;
 #pragma unroll
     for (int i = 0; i < kMaxWidePieces; ++i) {
       if (lane + i * kWarp >= wide_pieces) break;
@@ -766,7 +766,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     int32_t window = first_window;
 #pragma unroll 1
     for (int k = 0; k < count; ++k) {
-      const int jt = static_cast<int>(k & (lanes - 1));  // token within the group
+      const int jt = k & (lanes - 1);  // token within the group
       if (k > 0 && k % kWindow == 0) window = window_dests(k);
       if (kStaged && (k & (stage_tokens - 1)) == 0) {  // a new stage: the next one goes out, this one must be in
         __syncwarp();  // the buffer the next stage fills is read by no lane
@@ -780,7 +780,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
         store_pieces(k + 1);
         if (k + 2 < count) load_pieces();  // token k + 2
       }
-      const float* wide_b = wide + static_cast<int>(k & 1) * 2 * n_row;  // token k's (kWidened)
+      const float* wide_b = wide + (k & 1) * 2 * n_row;  // token k's (kWidened)
       const InT* b_tok = kStaged ? staged_b(k) : nullptr;  // token k's staged B and C
       const InT* c_tok = kStaged ? b_tok + n_row : nullptr;
       const int owner = (jt << rpw_log2) | row_in_warp;  // the lane of (this row, token k)
@@ -830,7 +830,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
         }
         if (group_ends) load_pair(k + 1 + k_lane);
       }
-      const int32_t dst = __shfl_sync(kFullMask, window, static_cast<int>(k % kWindow));
+      const int32_t dst = __shfl_sync(kFullMask, window, k % kWindow);
       if (dst >= 0 && kWidened && L.bulk_stores) {
         // The tile's rows, rounded, into store buffer `stores % 2` (row q at q * pitch),
         // then one bulk copy per row, by lane q % 32; the buffer is written again two
