@@ -289,6 +289,10 @@ KERNEL_CHOICES = [
     {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_SPECULATE": "2", "TORCH_SSD_CUDA_PREFETCH": "0"},
     {"TORCH_SSD_CUDA_LEAN_ROWS": "1", "TORCH_SSD_CUDA_SPECULATE": "1", "TORCH_SSD_CUDA_PDL": "0"},
     {"TORCH_SSD_CUDA_LEAN_ROWS": "2", "TORCH_SSD_CUDA_SPECULATE": "0"},
+    # N = 128 takes the lean kernels with a row's lanes fixed; these take the run-time form.
+    {"TORCH_SSD_CUDA_LEAN_FIXED_LANES": "0"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "1", "TORCH_SSD_CUDA_LEAN_FIXED_LANES": "0"},
+    {"TORCH_SSD_CUDA_LEAN_ROWS": "4", "TORCH_SSD_CUDA_WARPS": "1", "TORCH_SSD_CUDA_LEAN_FIXED_LANES": "0"},
 ]
 KERNEL_KNOBS = sorted({key for env in KERNEL_CHOICES for key in env})
 

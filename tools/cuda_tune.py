@@ -27,6 +27,8 @@ A config names the kernel and its knobs, joined by '-':
                (TORCH_SSD_CUDA_TOUCH_PARAMS)
     sS         load the first rows from the slot index read before the wait: 0 off, 1 on
                (default: on where the whole grid is resident at once) (TORCH_SSD_CUDA_SPECULATE)
+    lL         a row's lanes fixed at compile time where N = 128: 1 (default) or read at run
+               time: 0 (TORCH_SSD_CUDA_LEAN_FIXED_LANES)
     cC         as for block
   pipe         the pipelined kernel (TORCH_SSD_CUDA_KERNEL=pipe)
     wW         warps per block (TORCH_SSD_CUDA_PIPE_WARPS)
@@ -60,7 +62,7 @@ from torch_ssd import bench
 KNOBS = ("TORCH_SSD_CUDA_KERNEL", "TORCH_SSD_CUDA_STAGE", "TORCH_SSD_CUDA_WARPS", "TORCH_SSD_CUDA_PIPE_WARPS",
          "TORCH_SSD_CUDA_BPSM", "TORCH_SSD_CUDA_PIPE_STAGES", "TORCH_SSD_CUDA_CHUNKS", "TORCH_SSD_CUDA_LEAN_ROWS",
          "TORCH_SSD_CUDA_PDL", "TORCH_SSD_CUDA_PREFETCH", "TORCH_SSD_CUDA_LEAN_ORDER",
-         "TORCH_SSD_CUDA_TOUCH_PARAMS", "TORCH_SSD_CUDA_SPECULATE")
+         "TORCH_SSD_CUDA_TOUCH_PARAMS", "TORCH_SSD_CUDA_SPECULATE", "TORCH_SSD_CUDA_LEAN_FIXED_LANES")
 
 
 def parse_config(text: str) -> dict[str, str]:
@@ -74,6 +76,7 @@ def parse_config(text: str) -> dict[str, str]:
              ("lean", "w"): "TORCH_SSD_CUDA_WARPS", ("lean", "p"): "TORCH_SSD_CUDA_PDL",
              ("lean", "f"): "TORCH_SSD_CUDA_PREFETCH", ("lean", "o"): "TORCH_SSD_CUDA_LEAN_ORDER",
              ("lean", "t"): "TORCH_SSD_CUDA_TOUCH_PARAMS", ("lean", "s"): "TORCH_SSD_CUDA_SPECULATE",
+             ("lean", "l"): "TORCH_SSD_CUDA_LEAN_FIXED_LANES",
              ("block", "s"): "TORCH_SSD_CUDA_STAGE", ("block", "w"): "TORCH_SSD_CUDA_WARPS",
              ("pipe", "w"): "TORCH_SSD_CUDA_PIPE_WARPS", ("pipe", "b"): "TORCH_SSD_CUDA_BPSM",
              ("pipe", "n"): "TORCH_SSD_CUDA_PIPE_STAGES"}

@@ -425,7 +425,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 //     row's lanes (see the kernel), and y is stored by those lanes, coalesced;
 //   * programmatic dependent launch on sm_90: back-to-back steps overlap their
 //     launch gaps; where the whole grid is resident at once, the state rows are
-//     fetched into L2 before the wait (see the kernel).
+//     fetched into L2 before the wait (see the kernel);
+//   * 16-bit pools at N = 128: compiled with a row's lanes fixed (kLanes, see
+//     launch_lean), chunk offsets, the y tree and the row arithmetic constants.
 // Mapping along N, per-element arithmetic and reduction order are
 // decode_step_kernel's: the same bits (tests/test_cuda.py checks every choice).
 // ---------------------------------------------------------------------------
@@ -503,7 +505,8 @@ constexpr bool lean_holds_bc() {
 // (Bounded for 20 or 24 resident blocks per multiprocessor instead of 16: 96 / 80
 // registers, 56-72 bytes spilled, 7-10 points of copy bandwidth lost on an H200 at
 // T >= 64; BENCHMARKS.md, eighth session.)
-template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
+// kLanes: a row's lanes fixed at compile time (kFixedLanes; 0: map.lanes at run time).
+template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false, int kLanes = 0>
 __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
                                   kSharedBC ? 16 : lean_min_blocks<PoolT, kRows, KB>())
     decode_step_lean(const __grid_constant__ StepParams s, const LeanLaunch L) {
@@ -512,12 +515,15 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   constexpr bool kHoldBC = lean_holds_bc<PoolT, kRows, KB>() && !kSharedBC;
   // KB: the chunks per lane of the row map (host-checked), a compile-time count.
   const RowMap& m = L.map;
+  static_assert(kLanes >= 0 && kLanes <= kWarp && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two");
+  const int lanes = kLanes ? kLanes : m.lanes;
+  const int lanes_log2 = kLanes ? log2_of(kLanes) : m.lanes_log2;
   const LeanBlock at = lean_block(L.tiles_inner);
   const uint32_t h = at.h, t = at.row, tile = at.tile;
   const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
-  const int li = lane & (m.lanes - 1);
-  const int rpw_log2 = 5 - m.lanes_log2;  // rows per warp and pass: 32 / lanes
+  const int li = lane & (lanes - 1);
+  const int rpw_log2 = 5 - lanes_log2;  // rows per warp and pass: 32 / lanes
   const int warp_rows = kRows << rpw_log2;
   const int64_t warp_base = static_cast<int64_t>(tile) * (kRows * L.rows_per_pass) +
                             (static_cast<int64_t>(threadIdx.x >> 5) << rpw_log2);
@@ -536,7 +542,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   const int64_t p_own = p_own_any < s.P ? p_own_any : 0;  // a readable row for the loads
   // This thread's rows: p_first, then rows_per_pass apart (p_of); row r of slot
   // `slot` starts r row steps after row p_first (addressed only where it exists).
-  const int64_t p_first = p_of(lane >> m.lanes_log2);
+  const int64_t p_first = p_of(lane >> lanes_log2);
   bool valid[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) valid[r] = p_first + static_cast<int64_t>(r) * L.rows_per_pass < s.P;
@@ -572,7 +578,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
     const PoolT* row = row0 + r * row_step;
 #pragma unroll
     for (int j = 0; j < KB; ++j)
-      if (valid[r]) st[j] = load_chunk_raw(row + j * m.lanes * VEC);
+      if (valid[r]) st[j] = load_chunk_raw(row + j * lanes * VEC);
   };
   uint4 st[kStream ? 1 : kRows][KB];  // state chunks as stored: widened one at a time, when used
   // kStream: one row in flight ahead of the one computed (then stored); else every
@@ -613,7 +619,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   if constexpr (kEarlyBC) {
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
-      const int c = j * m.lanes + li;
+      const int c = j * lanes + li;
       b_raw[j] = load_raw_shared<VEC>(b_row + c * VEC);
       c_raw[j] = load_raw_shared<VEC>(c_row + c * VEC);
     }
@@ -631,7 +637,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   float dA[kRows], dtx[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int owner = (r << rpw_log2) + (lane >> m.lanes_log2);
+    const int owner = (r << rpw_log2) + (lane >> lanes_log2);
     dA[r] = __shfl_sync(kFullMask, dA_own, owner);
     dtx[r] = __shfl_sync(kFullMask, dtx_own, owner);
   }
@@ -644,7 +650,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   // slower at T = 64 and 256 on an H200: BENCHMARKS.md, tenth session.)
   extern __shared__ __align__(16) float lean_bc[];
   if constexpr (kSharedBC) {
-    const int chunks = static_cast<int>(s.N) / VEC;
+    const int chunks = kLanes ? kLanes * KB : static_cast<int>(s.N) / VEC;  // a lean row: lanes * KB chunks
     for (int i = lane; i < 2 * chunks; i += kWarp) {
       const bool is_c = i >= chunks;
       const int c = is_c ? i - chunks : i;
@@ -666,7 +672,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   } else if constexpr (kHoldBC) {
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
-      const int c = j * m.lanes + li;
+      const int c = j * lanes + li;
       load_unit_shared<VEC>(b_row + c * VEC, b_held[j]);
       load_unit_shared<VEC>(c_row + c * VEC, c_held[j]);
     }
@@ -676,7 +682,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
-      const int c = j * m.lanes + li;
+      const int c = j * lanes + li;
       float b[VEC], cc[VEC], x[VEC];
       if constexpr (kHoldBC) {
 #pragma unroll
@@ -702,14 +708,14 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
     PoolT* row = dst_row0 + r * row_step;
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
-      if constexpr (kStream) store_chunk_v4(row + j * m.lanes * VEC, chunks[j]);
-      else store_chunk_raw(row + j * m.lanes * VEC, chunks[j]);
+      if constexpr (kStream) store_chunk_v4(row + j * lanes * VEC, chunks[j]);
+      else store_chunk_raw(row + j * lanes * VEC, chunks[j]);
     }
   };
   float own_sum = 0.0f;  // the y sum of row q_own, from the lanes that computed it
   auto collect = [&](int r, float acc) {
-    const float sum = row_sum(acc, m.lanes);
-    const float got = __shfl_sync(kFullMask, sum, (q_own & ((1 << rpw_log2) - 1)) << m.lanes_log2);
+    const float sum = row_sum(acc, lanes);
+    const float got = __shfl_sync(kFullMask, sum, (q_own & ((1 << rpw_log2) - 1)) << lanes_log2);
     if ((q_own >> rpw_log2) == r) own_sum = got;
   };
   if constexpr (kStream) {
@@ -942,17 +948,28 @@ uint8_t pick_speculate(bool whole_grid) {
 
 template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>
 void launch_lean(const Dims& d, const StepParams& s, const RowMap& map, int W, cudaStream_t stream) {
+  // N = 128 (4 lanes per row) with a 16-bit pool: the kernel with the lanes fixed
+  // (use_fixed_lanes; on an H200 bfloat16 pools 1.8-3.6 points of copy bandwidth above the
+  // run-time form at T >= 16, float16 1.8-5.2, both 0.10-0.19 us less per step at T = 1).
+  // Float32 pools keep the run-time form: fixed, it measured 0.6-2.6 points lower at T = 16
+  // and 64 and 0.15-0.20 us slower at T = 1 (BENCHMARKS.md, eighteenth session).
+  constexpr bool kFixable = sizeof(PoolT) == 2;
+  const bool fixed = kFixable && use_fixed_lanes(map, "TORCH_SSD_CUDA_LEAN_FIXED_LANES");
   auto kernel = decode_step_lean<PoolT, InT, kRows, KB, kSharedBC>;
+  if constexpr (kFixable) {
+    if (fixed) kernel = decode_step_lean<PoolT, InT, kRows, KB, kSharedBC, kFixedLanes>;
+  }
   // Resident blocks per multiprocessor: an occupancy query (safe under graph
   // capture), once per kernel and block size.
-  static int per_sm[kMaxThreads / kWarp + 1] = {};
-  if (per_sm[W] == 0) C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm[W], kernel, W * kWarp, 0));
+  static int per_sm[2][kMaxThreads / kWarp + 1] = {};
+  int& resident = per_sm[fixed][W];
+  if (resident == 0) C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, W * kWarp, 0));
   LeanLaunch L;
   L.map = map;
   L.rows_per_pass = W * map.rows_per_warp();
   L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
   const int64_t tiles = (d.P + kRows * L.rows_per_pass - 1) / (kRows * L.rows_per_pass);
-  L.prefetch = pick_prefetch(d.H * d.T * tiles, per_sm[W]);
+  L.prefetch = pick_prefetch(d.H * d.T * tiles, resident);
   L.tiles_inner = pick_lean_order(d);
   L.touch_params = pick_touch_params(L.prefetch);
   L.speculate = pick_speculate(L.prefetch);

@@ -423,8 +423,6 @@ struct LeanMultiLaunch {
   int next_rows_offset = 0;   // bytes into the dynamic shared memory: those rows, each lane's chunks
 };
 
-constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
-
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
 constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (two per warp)
 constexpr int kMaxWidePieces = 2;      // kWidened: pieces of B / C per lane and token
@@ -990,15 +988,6 @@ bool pick_next_rows(int tiles_per_warp, bool bulk_stores) {
   return tiles_per_warp > 1 && !bulk_stores;
 }
 
-// The lanes per row that the widened kernel is also compiled for (N = 128, the usual
-// state size: 4 lanes of 32 elements), the others reading map.lanes at run time.
-// TORCH_SSD_CUDA_MULTI_FIXED_LANES=0 takes the run-time form for it too (A / B runs).
-constexpr int kFixedLanes = 4;
-bool want_fixed_lanes() {
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_FIXED_LANES");
-  return !(env && env[0] == '0');
-}
-
 template <typename PoolT, typename InT, int KB>
 void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows, int64_t tokens,
                  cudaStream_t stream) {
@@ -1039,7 +1028,7 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
       L.next_rows = pick_next_rows(per, L.bulk_stores);
       L.next_rows_offset = static_cast<int>(smem);
       if (L.next_rows) smem += static_cast<size_t>(lean_rows(path)) * KB * kWarp * 16;
-      const bool fixed = map.lanes == kFixedLanes && want_fixed_lanes();
+      const bool fixed = use_fixed_lanes(map, "TORCH_SSD_CUDA_MULTI_FIXED_LANES");
       auto widened = L.next_rows ? (fixed ? multi_step_lean<PoolT, InT, KB, BcPath::kWidened, true, kFixedLanes>
                                           : multi_step_lean<PoolT, InT, KB, BcPath::kWidened, true>)
                                  : (fixed ? multi_step_lean<PoolT, InT, KB, BcPath::kWidened, false, kFixedLanes>
