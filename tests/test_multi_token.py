@@ -948,6 +948,11 @@ LEAN_MULTI_CHOICES = (
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_NEXT_ROWS": "1", "TORCH_SSD_CUDA_MULTI_BULK": "1"},
     {"TORCH_SSD_CUDA_MULTI_FIXED_LANES": "0"},
     {"TORCH_SSD_CUDA_MULTI_FIXED_LANES": "0", "TORCH_SSD_CUDA_MULTI_BULK": "1"},
+    # Two tiles per warp keep a row's widened B / C by default (up to what fits); off, and
+    # forced on beside the bulk stores' buffers.
+    {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_KEPT_BC": "0"},
+    {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_KEPT_BC": "1", "TORCH_SSD_CUDA_MULTI_BULK": "1"},
+    {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_KEPT_BC": "1", "TORCH_SSD_CUDA_MULTI_FIXED_LANES": "0"},
 )
 LEAN_MULTI_KNOBS = sorted({key for env in LEAN_MULTI_CHOICES for key in env})
 

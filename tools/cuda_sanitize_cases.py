@@ -203,7 +203,7 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
-def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows=""):
+def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows="", K=20, kept_bc=""):
     """A long row through the lean multi-token kernel's B / C path `bc_path` (K = 20:
     widened, both float32 buffers in turn ten times, and each warp walks two tiles of
     rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64), each token
@@ -212,13 +212,16 @@ def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows=""):
     bulk copies from shared memory (TORCH_SSD_CUDA_MULTI_BULK), `next_rows` whether a warp's
     next tile's rows are copied into shared memory during this one
     (TORCH_SSD_CUDA_MULTI_NEXT_ROWS; "": the default rule, on for the widened path without
-    bulk stores here)."""
+    bulk stores here), `kept_bc` whether a row's widened B / C are kept for the second
+    tile (TORCH_SSD_CUDA_MULTI_KEPT_BC; "": the default rule, on for rows of up to 16
+    tokens here)."""
     os.environ["TORCH_SSD_CUDA_MULTI_BC"] = bc_path
     os.environ["TORCH_SSD_CUDA_MULTI_TILES"] = "2"
     os.environ["TORCH_SSD_CUDA_MULTI_ORDER"] = order
     os.environ["TORCH_SSD_CUDA_MULTI_BULK"] = bulk
     os.environ["TORCH_SSD_CUDA_MULTI_NEXT_ROWS"] = next_rows
-    S, T, K, H, P, G, N = 48, 2, 20, 2, 40, 1, 64
+    os.environ["TORCH_SSD_CUDA_MULTI_KEPT_BC"] = kept_bc
+    S, T, H, P, G, N = 2 * K + 8, 2, 2, 40, 1, 64
     pool = randn(S, H, P, N, dtype=pool_dtype)
     ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
     ops["dt"] = randn(T, K, H, P, dtype=torch.bfloat16) * 0.3
@@ -236,9 +239,9 @@ def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows=""):
                                             -1, None, True)
         res.append((y, pl))
     for name, g, w in zip(("y", "pool"), res[1], res[0]):
-        check(f"long rows {pool_dtype} {bc_path} {name}", g, w)
+        check(f"long rows {pool_dtype} {bc_path} K={K} {name}", g, w)
     for key in ("TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_MULTI_ORDER",
-                "TORCH_SSD_CUDA_MULTI_BULK", "TORCH_SSD_CUDA_MULTI_NEXT_ROWS"):
+                "TORCH_SSD_CUDA_MULTI_BULK", "TORCH_SSD_CUDA_MULTI_NEXT_ROWS", "TORCH_SSD_CUDA_MULTI_KEPT_BC"):
         del os.environ[key]
 
 
@@ -259,6 +262,8 @@ def main() -> int:
         long_rows_case(pool_dtype, "widened", order="1", bulk="1")
         long_rows_case(pool_dtype, "widened", next_rows="0")
         long_rows_case(pool_dtype, "widened", bulk="1", next_rows="1")
+        long_rows_case(pool_dtype, "widened", K=16)  # every token's B / C kept for the second tile
+        long_rows_case(pool_dtype, "widened", K=16, bulk="1", kept_bc="1")
         lean_choice_cases(pool_dtype)
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: {'FAILED ' + str(len(FAILS)) if FAILS else 'all'} "

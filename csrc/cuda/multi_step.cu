@@ -399,7 +399,8 @@ __global__ void __launch_bounds__(kMaxThreads)
 // destination, or none, and each token takes it with one shuffle. A warp walks
 // several tiles of its (head, row) (pick_multi_tiles): the first window's decision
 // and the row's slots serve them all; kWidened (kNextRows, pick_next_rows) copies the
-// next tile's rows into shared memory while this tile's tokens run.
+// next tile's rows into shared memory while this tile's tokens run, and keeps a short
+// row's widened B / C for all of those tiles (pick_kept_bc).
 // The state stays in float32 registers across the tokens and is rounded once per
 // store; kWidened stores it evict-first (no access of the step reads it again; the
 // step's inputs stay in L2: 1.3-6.4 % faster on an H200, BENCHMARKS.md, fifteenth
@@ -421,6 +422,7 @@ struct LeanMultiLaunch {
   int store_smem_offset = 0;  // bytes into the dynamic shared memory: the store buffers (two of a tile's rows)
   bool next_rows = false;     // kWidened: the kernel with kNextRows (pick_next_rows)
   int next_rows_offset = 0;   // bytes into the dynamic shared memory: those rows, each lane's chunks
+  int kept_bc_tokens = 0;     // kWidened: a row of at most this many tokens keeps them all widened (pick_kept_bc)
 };
 
 constexpr int kWindow = 8;  // tokens whose overridden writes are decided together
@@ -572,6 +574,11 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   // raw B and C are cut into pieces of kPieceBytes; lane l loads pieces l and l + 32
   // (those that exist; B's pieces first, then C's), a token ahead, and widens piece
   // i into the buffer's floats from i * kPieceElems on.
+  // A row of at most L.kept_bc_tokens tokens (kept_bc) keeps token k in buffer k
+  // instead: its warp's first tile widens them, its later tiles only read them (no
+  // B / C load, no barrier per token).
+  const bool kept_bc = kWidened && count <= L.kept_bc_tokens;
+  auto wide_buffer = [&](int k) { return kept_bc ? k : k & 1; };
   float* const wide = reinterpret_cast<float*>(lean_smem);
   float* const wide_lane = wide + lane * kPieceElems;
   const int wide_pieces = 2 << row_pieces_log2;
@@ -595,7 +602,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     }
   };
   auto store_pieces = [&](int k) {  // the loaded pieces, widened into token k's buffer
-    float* const buf = wide_lane + (k & 1) * 2 * n_row;
+    float* const buf = wide_lane + wide_buffer(k) * 2 * n_row;
 #pragma unroll
     for (int i = 0; i < kMaxWidePieces; ++i) {
       if (lane + i * kWarp >= wide_pieces) break;
@@ -655,6 +662,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       continue;
     }
     const int64_t row_offset = s.pool_offset(0, h, p);  // row 0's, + slot * pool_stride[0]
+    // kept_bc: every token's B / C is in its buffer from the warp's first tile on.
+    const bool bc_widened = kept_bc && tile != static_cast<int>(group);
     uint4 raw[kRows][KB];
     if (kNextRows && next_ready) {
       stage_wait_all();
@@ -688,10 +697,10 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     if constexpr (kStaged) {
       __syncwarp();  // the previous tile's reads of the buffers are done
       issue_stage(0);
-    } else if constexpr (kWidened) {
+    } else if (kWidened && !bc_widened) {
       first_pieces();
       load_pieces();  // token 0 (the previous tile's reads ended at its last token's barrier)
-    } else {
+    } else if constexpr (kRegisters) {
       load_bc();
     }
     ChannelInputs in[kRows];  // the pairs' inputs
@@ -743,7 +752,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       stage_commit();
       next_ready = true;
     }
-    if constexpr (kWidened) {
+    if (kWidened && !bc_widened) {
       store_pieces(0);
       if (count > 1) load_pieces();  // token 1
       __syncwarp();  // token 0's buffer is visible to every lane
@@ -773,12 +782,12 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
         __syncwarp();  // every lane's copies of this stage are visible to all
       }
       // kWidened: token k + 1 goes into the other buffer (its readers, at token k - 1,
-      // passed the barrier that ends each token), token k + 2's pieces go out.
-      if (kWidened && k + 1 < count) {
+      // passed the barrier that ends each token; kept_bc: its own), token k + 2's pieces go out.
+      if (kWidened && !bc_widened && k + 1 < count) {
         store_pieces(k + 1);
         if (k + 2 < count) load_pieces();  // token k + 2
       }
-      const float* wide_b = wide + (k & 1) * 2 * n_row;  // token k's (kWidened)
+      const float* wide_b = wide + wide_buffer(k) * 2 * n_row;  // token k's (kWidened)
       const InT* b_tok = kStaged ? staged_b(k) : nullptr;  // token k's staged B and C
       const InT* c_tok = kStaged ? b_tok + n_row : nullptr;
       const int owner = (jt << rpw_log2) | row_in_warp;  // the lane of (this row, token k)
@@ -876,7 +885,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
           if (own_valid[r] && k_own < count) y_half(r)[k_own * m.y_tok] = narrow<InT>(finish_y(s, y_sum[r], in[r]));
         if (k + 1 < count) start_group();
       }
-      if constexpr (kWidened) __syncwarp();  // every lane has read token k's buffer
+      if (kWidened && !bc_widened) __syncwarp();  // token k + 1's buffer is written, token k's read
     }
   }
   if (kWidened && L.bulk_stores) bulk_wait_all();  // the copies read this block's shared memory
@@ -988,6 +997,24 @@ bool pick_next_rows(int tiles_per_warp, bool bulk_stores) {
   return tiles_per_warp > 1 && !bulk_stores;
 }
 
+// Tokens of a row whose widened B / C the lean kernel (kWidened) keeps for all of its
+// warp's tiles (LeanMultiLaunch::kept_bc_tokens; 0: none, two alternating buffers).
+// TORCH_SSD_CUDA_MULTI_KEPT_BC=1 / =0 forces it on / off. By default wherever a warp walks
+// several tiles and the bulk stores' buffers do not take the shared memory: the tokens
+// that kKeptBcBytes per warp hold (`token_bytes` each), if every row of the fixed form fits,
+// and no more than the varlen form's tokens. On an H200 (BENCHMARKS.md, eighteenth session)
+// the bfloat16 cells 0.7 % faster on average (-2.3..+1.5 % in time over 24 timings, 19
+// faster), less than the 2-5 % predicted: the B / C loads were not what the tiles wait on.
+constexpr int64_t kKeptBcBytes = 8192;
+int pick_kept_bc(const MultiStepParams& m, int tiles_per_warp, bool bulk_stores, int64_t token_bytes) {
+  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_KEPT_BC");
+  const bool on = env && (env[0] == '0' || env[0] == '1') ? env[0] == '1' : tiles_per_warp > 1 && !bulk_stores;
+  const int64_t fits = kKeptBcBytes / token_bytes;
+  const bool varlen = m.cu_seqlens.data != nullptr;
+  if (!on || (!varlen && m.K > fits)) return 0;
+  return static_cast<int>(std::min(fits, varlen ? m.L : m.K));
+}
+
 template <typename PoolT, typename InT, int KB>
 void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int64_t grid_rows, int64_t tokens,
                  cudaStream_t stream) {
@@ -1019,9 +1046,11 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
                     use_pdl(), m, L);
       break;
     }
-    case BcPath::kWidened: {  // two buffers of a token's B and C rows in float32 (+ the store buffers)
-      const size_t bc_bytes = 4 * static_cast<size_t>(d.N) * sizeof(float);
+    case BcPath::kWidened: {  // two buffers (or kept_bc_tokens) of a token's B and C rows in float32 (+ the store buffers)
       L.bulk_stores = pick_bulk_stores(d, tokens, static_cast<int>(sizeof(PoolT)));
+      const int64_t wide_token_bytes = 2 * d.N * static_cast<int64_t>(sizeof(float));
+      L.kept_bc_tokens = pick_kept_bc(m, per, L.bulk_stores, wide_token_bytes);
+      const size_t bc_bytes = static_cast<size_t>(std::max(2, L.kept_bc_tokens) * wide_token_bytes);
       L.store_smem_offset = static_cast<int>(bc_bytes);
       const size_t store_row_bytes = d.N * sizeof(PoolT) + kStoreRowPad;  // the kernel's store_pitch
       size_t smem = bc_bytes + (L.bulk_stores ? 2 * static_cast<size_t>(L.rows_per_pass) * store_row_bytes : 0);
