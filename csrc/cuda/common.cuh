@@ -252,9 +252,10 @@ inline bool lean_tiles_inner(const char* env_name, bool by_default, int64_t H) {
 }
 
 // The lanes per row that the lean kernels are also compiled for, fixed (N = 128, the
-// usual state size: 4 lanes of 32 elements with either pool type): chunk offsets, the y
-// tree and the row arithmetic fold into constants. Other rows read map.lanes at run
-// time. `env_name` = "0" takes the run-time form for them too (A / B runs).
+// usual state size: 4 lanes of 32 elements with any pool type; which pool types, each
+// launch decides): chunk offsets, the y tree and the row arithmetic fold into constants.
+// Other rows read map.lanes at run time. `env_name` = "0" takes the run-time form for
+// them too (A / B runs).
 constexpr int kFixedLanes = 4;
 constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
 inline bool use_fixed_lanes(const RowMap& map, const char* env_name) {
