@@ -165,6 +165,15 @@ inline bool device_is_sm90() {
   return major[device] >= 9;
 }
 
+// An on / off launch knob (read on every call, so one process can compare both):
+// environment variable `name` = "1" / "0" forces it on / off, anything else (or unset)
+// leaves `by_default`.
+inline bool env_switch(const char* name, bool by_default) {
+  const char* env = std::getenv(name);
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return by_default;
+}
+
 // Programmatic dependent launch (sm_90+): a kernel launched with it may be
 // scheduled while the kernel before it in the stream finishes, and waits for that
 // kernel's results (wait_for_prior_grid) only where it first reads or writes global
@@ -245,22 +254,18 @@ inline int64_t lean_rows_per_sm(const Dims& d) { return d.T * d.H * d.P / num_sm
 // rows, tiles)). `env_name` ("1" / "0") forces either over `by_default`; H above 65535
 // (the grid's y limit) keeps the heads' order.
 inline bool lean_tiles_inner(const char* env_name, bool by_default, int64_t H) {
-  if (H > 65535) return false;
-  const char* env = std::getenv(env_name);
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return by_default;
+  return H <= 65535 && env_switch(env_name, by_default);
 }
 
 // The lanes per row that the lean kernels are also compiled for, fixed (N = 128, the
 // usual state size: 4 lanes of 32 elements with any pool type; which pool types, each
 // launch decides): chunk offsets, the y tree and the row arithmetic fold into constants.
 // Other rows read map.lanes at run time. `env_name` = "0" takes the run-time form for
-// them too (A / B runs).
+// them too (A / B runs; env_switch).
 constexpr int kFixedLanes = 4;
 constexpr int log2_of(int v) { return v <= 1 ? 0 : 1 + log2_of(v / 2); }
 inline bool use_fixed_lanes(const RowMap& map, const char* env_name) {
-  const char* env = std::getenv(env_name);
-  return map.lanes == kFixedLanes && !(env && env[0] == '0');
+  return map.lanes == kFixedLanes && env_switch(env_name, true);
 }
 
 inline dim3 lean_grid(bool tiles_inner, int64_t H, int64_t rows, int64_t tiles) {

@@ -774,9 +774,7 @@ int pick_warps(const Dims& d, const RowMap& m, int elem_size) {
 // pools). TORCH_SSD_CUDA_STAGE=1 / =0 forces it on / off for every pool type (for
 // comparisons; the results are the same).
 bool use_staging(Dtype pool_dtype) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_STAGE");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return pool_dtype == Dtype::kFloat32;
+  return env_switch("TORCH_SSD_CUDA_STAGE", pool_dtype == Dtype::kFloat32);
 }
 
 template <typename PoolT, bool kUnit, bool kAPerN, bool kStage>
@@ -917,9 +915,7 @@ bool pick_lean_order(const Dims& d) {
 // TORCH_SSD_CUDA_PREFETCH=0 / =1 forces it off / on. `per_sm`: the kernel's
 // resident blocks per multiprocessor.
 bool pick_prefetch(int64_t blocks, int per_sm) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_PREFETCH");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return use_pdl() && blocks <= static_cast<int64_t>(per_sm) * num_sms();
+  return env_switch("TORCH_SSD_CUDA_PREFETCH", use_pdl() && blocks <= static_cast<int64_t>(per_sm) * num_sms());
 }
 
 // How the lean kernel reads its whole parameter block first (LeanLaunch::touch_params;

@@ -981,9 +981,7 @@ BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces) {
 // T = 16 (BENCHMARKS.md, eighth session).
 bool pick_bulk_stores(const Dims& d, int64_t tokens, int elem_size) {
   if (!device_is_sm90()) return false;
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_BULK");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return elem_size == 4 && tokens >= 4 * d.T && lean_rows_per_sm(d) > 1200;
+  return env_switch("TORCH_SSD_CUDA_MULTI_BULK", elem_size == 4 && tokens >= 4 * d.T && lean_rows_per_sm(d) > 1200);
 }
 
 // Whether the lean kernel (kWidened) copies a warp's next tile's rows into shared memory
@@ -992,9 +990,7 @@ bool pick_bulk_stores(const Dims& d, int64_t tokens, int elem_size) {
 // the bulk stores' buffers (with them: 28 KB per warp, fewer warps per multiprocessor,
 // 4-10 % slower on an H200). Measured on an H200 (BENCHMARKS.md, thirteenth session).
 bool pick_next_rows(int tiles_per_warp, bool bulk_stores) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_NEXT_ROWS");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return tiles_per_warp > 1 && !bulk_stores;
+  return env_switch("TORCH_SSD_CUDA_MULTI_NEXT_ROWS", tiles_per_warp > 1 && !bulk_stores);
 }
 
 // Tokens of a row whose widened B / C the lean kernel (kWidened) keeps for all of its
@@ -1007,11 +1003,10 @@ bool pick_next_rows(int tiles_per_warp, bool bulk_stores) {
 // faster), less than the 2-5 % predicted: the B / C loads were not what the tiles wait on.
 constexpr int64_t kKeptBcBytes = 8192;
 int pick_kept_bc(const MultiStepParams& m, int tiles_per_warp, bool bulk_stores, int64_t token_bytes) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_KEPT_BC");
-  const bool on = env && (env[0] == '0' || env[0] == '1') ? env[0] == '1' : tiles_per_warp > 1 && !bulk_stores;
+  if (!env_switch("TORCH_SSD_CUDA_MULTI_KEPT_BC", tiles_per_warp > 1 && !bulk_stores)) return 0;
   const int64_t fits = kKeptBcBytes / token_bytes;
   const bool varlen = m.cu_seqlens.data != nullptr;
-  if (!on || (!varlen && m.K > fits)) return 0;
+  if (!varlen && m.K > fits) return 0;  // no row of the fixed form fits
   return static_cast<int>(std::min(fits, varlen ? m.L : m.K));
 }
 
