@@ -18,12 +18,15 @@
 #   tune        tools/cuda_tune.py: kernel / block-size sweep against the copy ceiling (+ bit check)
 #   t1-floor    tools/cuda_t1_floor.py: where a T = 1 step's time goes under graph replay (the
 #               step, its state in L2, every slot padded, a one-element fill), in t1_floor.log
+#   host-cost   tools/cuda_host_cost.py: the host's time per plain call of the ops (Python,
+#               dispatcher, checks, launch) against stock ops, HOST_ARGS extra arguments, in
+#               host_cost.log
 #   pattern     tools/cuda_pattern_ceiling.py: the step against the simplest kernel of its access
 #               pattern (addressed slots read and written back in place, Triton), in pattern.log
 #   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
 #               + per-row inputs, + B / C, full; rows and full also with a head's tiles side by
 #               side in the grid), each part's share of the copy, in parts.log
-#   build-base, tune-base, bench-base, bench-quick-base, bench-multi-base
+#   build-base, tune-base, host-cost-base, bench-base, bench-quick-base, bench-multi-base
 #               the same stages in BASE_TREE, a plain copy of an earlier commit made before the
 #               device call (git archive REV | tar -x -C .ab_base; carry it), for a before /
 #               after in one call; logs build-base.log, tune-base.log, bench-base.log,
@@ -49,7 +52,7 @@
 #
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
-# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / PATTERN_ARGS /
+# (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / HOST_ARGS / PATTERN_ARGS /
 # PARTS_ARGS (extra arguments),
 # FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build),
 # PACK=1 (at the end, everything under OUT packed into OUT/device_out.tgz, nothing else left).
@@ -263,11 +266,19 @@ PYEOF
     t1-floor)
       run_stage t1-floor "$OUT/t1_floor.log" "${TO[@]}" "$PY" tools/cuda_t1_floor.py
       ;;
+    host-cost)
+      run_stage host-cost "$OUT/host_cost.log" "${TO[@]}" "$PY" tools/cuda_host_cost.py ${HOST_ARGS:-}
+      ;;
     pattern)
       run_stage pattern "$OUT/pattern.log" "${TO[@]}" "$PY" tools/cuda_pattern_ceiling.py ${PATTERN_ARGS:-}
       ;;
     parts)
       run_stage parts "$OUT/parts.log" "${TO[@]}" "$PY" tools/cuda_step_parts.py ${PARTS_ARGS:-}
+      ;;
+    host-cost-base)
+      enter_base "$stage" || continue
+      run_stage host-cost-base "$OUT/host_cost-base.log" "${TO[@]}" "$PY" tools/cuda_host_cost.py ${HOST_ARGS:-}
+      popd >/dev/null
       ;;
     tune-base)
       enter_base "$stage" || continue

@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""The host's time per call of the decode-step ops with plain launches (no CUDA graph):
+how long Python, the dispatcher, the argument checks and the launch keep the CPU busy
+per call, against stock PyTorch ops on the same device.
+
+    python tools/cuda_host_cost.py [--calls 300] [--rounds 9] [--shape 80,64,128,1]
+
+Each case is called `calls` times back to back without a synchronisation in between
+(fewer than the launch queue holds, so the CPU never waits for the GPU); the CPU time of
+the loop over `calls` is the host's cost per call (median of `rounds`). `stream` is the
+same loop's time up to the GPU's end: where it exceeds `host`, the GPU is the limit.
+Cases:
+  empty        torch.empty of y's shape (the allocator; no launch)
+  add.out      torch.ops.aten.add.out on y-sized tensors (a stock op, one launch)
+  step T=0     decode_step_out with no rows: Python, dispatcher and the argument
+               checks, no launch
+  step T=n     decode_step_out as the benchmark calls it (its inputs), pool dtype given
+  multi        decode_step_multi_out, K tokens, fixed form, bfloat16 pool
+The last part runs torch.profiler over one case and prints its CPU events (the op and
+the CUDA runtime's launch call), which place the host time inside the op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import torch_ssd  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch_ssd  # noqa: F401
+from torch_ssd import bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_multi import MultiInputs  # noqa: E402
+
+
+def host_cost(fn, calls: int, rounds: int, sync) -> tuple[float, float]:
+    """(host us per call, stream us per call): medians over `rounds` loops of `calls`."""
+    for _ in range(20):
+        fn()
+    sync()
+    host, stream = [], []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        stream.append((t2 - t0) / calls * 1e6)
+    return statistics.median(host), statistics.median(stream)
+
+
+class EnvKnob:
+    """Sets one environment variable for a case (the C++ side reads it on every call)."""
+
+    def __init__(self, text: str | None):
+        self.name, _, self.value = (text or "").partition("=")
+
+    def __enter__(self):
+        if self.name:
+            self.old = os.environ.get(self.name)
+            os.environ[self.name] = self.value
+
+    def __exit__(self, *exc):
+        if self.name:
+            if self.old is None:
+                del os.environ[self.name]
+            else:
+                os.environ[self.name] = self.old
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", type=bench.Shape.parse, default=bench.Shape.parse("80,64,128,1"))
+    ap.add_argument("--T", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--K", type=int, default=2, help="tokens of the multi-token case")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--knob", nargs="*", default=[],
+                    help="NAME=VALUE: the bfloat16 T = max(--T) step again with this variable set")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda (default); cpu: the same cases on the CPU kernels")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("cuda_host_cost.py: no CUDA device (--device cpu runs the CPU kernels)", file=sys.stderr)
+        return 2
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    sh = args.shape
+    cases = []
+
+    y = torch.empty(max(args.T), sh.H, sh.P, dtype=torch.bfloat16, device=dev)
+    a, b = torch.ones_like(y), torch.ones_like(y)
+    cases.append(("empty", None, lambda: torch.empty(y.shape, dtype=y.dtype, device=dev)))
+    cases.append(("add.out", None, lambda: torch.ops.aten.add.out(a, b, out=y)))
+    for pool_name, pool_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for T in [0] + list(args.T):
+            inp = bench.make_inputs(sh, max(T, 1), 2 * max(T, 1), pool_dtype, torch.bfloat16, dev, gen)
+            if T == 0:  # no rows: every operand sliced to T = 0
+                for name in ("x", "dt", "B", "C", "z", "slot_idx", "out"):
+                    setattr(inp, name, getattr(inp, name)[:0])
+            call = (lambda i: lambda: torch.ops.ssd.decode_step_out(*i.op_args(), i.out))(inp)
+            cases.append((f"step {pool_name} T={T}", None, call))
+            if pool_name == "bf16" and T == max(args.T):
+                profiled = call
+                for knob in args.knob:
+                    cases.append((f"step {pool_name} T={T} {knob}", knob, call))
+    for T in args.T:
+        m = MultiInputs(sh, T, args.K, torch.bfloat16, torch.bfloat16, dev, gen)
+        cases.append((f"multi bf16 K={args.K} T={T}", None, m.multi))
+
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, shape {sh}, "
+          f"{args.calls} calls x {args.rounds} rounds (us per call, median)")
+    print(f"{'case':<44} {'host':>8} {'stream':>8}")
+    for name, knob, fn in cases:
+        with EnvKnob(knob):
+            host, stream = host_cost(fn, args.calls, args.rounds, sync)
+        print(f"{name:<44} {host:8.2f} {stream:8.2f}", flush=True)
+
+    if not args.no_profile:
+        from torch.profiler import ProfilerActivity, profile
+        for _ in range(20):
+            profiled()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(200):
+                profiled()
+            sync()
+        print(f"\ntorch.profiler, CPU events of 200 calls of step bf16 T={max(args.T)} "
+              "(times inflated by the profiler's own cost):")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
