@@ -7,17 +7,22 @@ per call, against stock PyTorch ops on the same device.
 
 Each case is called `calls` times back to back without a synchronisation in between
 (fewer than the launch queue holds, so the CPU never waits for the GPU); the CPU time of
-the loop over `calls` is the host's cost per call (median of `rounds`). `stream` is the
-same loop's time up to the GPU's end: where it exceeds `host`, the GPU is the limit.
+the loop over `calls` is the host's cost per call (median and least of `rounds`, taken
+round-robin over the cases). `stream` is the same loop's time up to the GPU's end: where
+it exceeds `host`, the GPU is the limit. (tools/cuda_launch_cost.cu: the CUDA runtime's
+own cost per launch.)
 Cases:
   empty        torch.empty of y's shape (the allocator; no launch)
   add.out      torch.ops.aten.add.out on y-sized tensors (a stock op, one launch)
   step T=0     decode_step_out with no rows: Python, dispatcher and the argument
                checks, no launch
   step T=n     decode_step_out as the benchmark calls it (its inputs), pool dtype given
-  multi        decode_step_multi_out, K tokens, fixed form, bfloat16 pool
-The last part runs torch.profiler over one case and prints its CPU events (the op and
-the CUDA runtime's launch call), which place the host time inside the op.
+  multi T=n    decode_step_multi_out, K tokens, fixed form, bfloat16 pool (T=0: no rows,
+               no launch)
+  drop-in      torch_ssd.selective_state_update as vLLM's Mamba-2 mixer calls it at decode
+               (per-head A, dt, D, dt_bias expanded by the caller, a slot table, out)
+The last part runs torch.profiler over the largest step and multi cases and prints their
+CPU events (the op and the CUDA runtime's calls), which place the host time inside the op.
 """
 
 from __future__ import annotations
@@ -42,23 +47,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_multi import MultiInputs  # noqa: E402
 
 
-def host_cost(fn, calls: int, rounds: int, sync) -> tuple[float, float]:
-    """(host us per call, stream us per call): medians over `rounds` loops of `calls`."""
-    for _ in range(20):
-        fn()
+def host_costs(cases, calls: int, rounds: int, sync) -> list[tuple[float, float, float]]:
+    """Per case (host us per call: median and least, stream us per call: median) over
+    `rounds` loops of `calls`. The rounds go round-robin over the cases, so that a slow
+    spell of the host (its time is noisy) falls on all of them; the least is the steadier
+    figure."""
+    for _, knob, fn in cases:
+        with EnvKnob(knob):
+            for _ in range(20):
+                fn()
     sync()
-    host, stream = [], []
+    host = [[] for _ in cases]
+    stream = [[] for _ in cases]
     for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / calls * 1e6)
-        stream.append((t2 - t0) / calls * 1e6)
-    return statistics.median(host), statistics.median(stream)
+        for i, (_, knob, fn) in enumerate(cases):
+            with EnvKnob(knob):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                t1 = time.perf_counter()
+                sync()
+                t2 = time.perf_counter()
+            host[i].append((t1 - t0) / calls * 1e6)
+            stream[i].append((t2 - t0) / calls * 1e6)
+    return [(statistics.median(h), min(h), statistics.median(s)) for h, s in zip(host, stream)]
 
 
 class EnvKnob:
@@ -114,34 +127,43 @@ def main(argv=None) -> int:
             call = (lambda i: lambda: torch.ops.ssd.decode_step_out(*i.op_args(), i.out))(inp)
             cases.append((f"step {pool_name} T={T}", None, call))
             if pool_name == "bf16" and T == max(args.T):
-                profiled = call
+                profiled = [(f"step {pool_name} T={T}", call)]
                 for knob in args.knob:
                     cases.append((f"step {pool_name} T={T} {knob}", knob, call))
-    for T in args.T:
-        m = MultiInputs(sh, T, args.K, torch.bfloat16, torch.bfloat16, dev, gen)
+    for T in [0] + list(args.T):
+        m = MultiInputs(sh, max(T, 1), args.K, torch.bfloat16, torch.bfloat16, dev, gen)
+        if T == 0:
+            for name in ("x", "z", "dt", "B", "C", "table", "accepted", "out"):
+                setattr(m, name, getattr(m, name)[:0])
         cases.append((f"multi bf16 K={args.K} T={T}", None, m.multi))
+        if T == max(args.T):
+            profiled.append((f"multi bf16 K={args.K} T={T}", m.multi))
+    # The drop-in as vLLM's Mamba-2 mixer calls it at decode: per-head A, dt, D, dt_bias
+    # expanded (stride 0) by the caller, a (batch,) slot table, y into `out`.
+    inp = bench.make_inputs(sh, max(args.T), 2 * max(args.T), torch.bfloat16, torch.bfloat16, dev, gen)
+    cases.append((f"drop-in bf16 T={max(args.T)}", None, lambda: torch_ssd.selective_state_update(
+        inp.pool, inp.x, inp.dt, inp.A, inp.B, inp.C, inp.D, inp.z, inp.dt_bias, True,
+        state_batch_indices=inp.slot_idx, pad_slot_id=bench.PAD_SLOT_ID, out=inp.out)))
 
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, shape {sh}, "
-          f"{args.calls} calls x {args.rounds} rounds (us per call, median)")
-    print(f"{'case':<44} {'host':>8} {'stream':>8}")
-    for name, knob, fn in cases:
-        with EnvKnob(knob):
-            host, stream = host_cost(fn, args.calls, args.rounds, sync)
-        print(f"{name:<44} {host:8.2f} {stream:8.2f}", flush=True)
+          f"{args.calls} calls x {args.rounds} rounds (us per call)")
+    print(f"{'case':<44} {'host':>8} {'least':>8} {'stream':>8}")
+    for (name, _, _), (host, least, stream) in zip(cases, host_costs(cases, args.calls, args.rounds, sync)):
+        print(f"{name:<44} {host:8.2f} {least:8.2f} {stream:8.2f}")
 
     if not args.no_profile:
         from torch.profiler import ProfilerActivity, profile
-        for _ in range(20):
-            profiled()
-        sync()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(200):
-                profiled()
+        for name, fn in profiled:
+            for _ in range(20):
+                fn()
             sync()
-        print(f"\ntorch.profiler, CPU events of 200 calls of step bf16 T={max(args.T)} "
-              "(times inflated by the profiler's own cost):")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(200):
+                    fn()
+                sync()
+            print(f"\ntorch.profiler, CPU events of 200 calls of {name} (times inflated by the profiler's own cost):")
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
     return 0
 
 

@@ -21,6 +21,9 @@
 #   host-cost   tools/cuda_host_cost.py: the host's time per plain call of the ops (Python,
 #               dispatcher, checks, launch) against stock ops, HOST_ARGS extra arguments, in
 #               host_cost.log
+#   launch-cost tools/cuda_launch_cost.cu (built here with nvcc): the CUDA runtime's host time per
+#               launch against the parameter block's size, <<<>>> / cudaLaunchKernelEx / with the
+#               PDL attribute, in launch_cost.log
 #   pattern     tools/cuda_pattern_ceiling.py: the step against the simplest kernel of its access
 #               pattern (addressed slots read and written back in place, Triton), in pattern.log
 #   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
@@ -268,6 +271,10 @@ PYEOF
       ;;
     host-cost)
       run_stage host-cost "$OUT/host_cost.log" "${TO[@]}" "$PY" tools/cuda_host_cost.py ${HOST_ARGS:-}
+      ;;
+    launch-cost)
+      run_stage launch-cost "$OUT/launch_cost.log" "${TO[@]}" bash -c \
+        'nvcc -O2 -arch=sm_90 tools/cuda_launch_cost.cu -o "$1" && "$1"' _ "$(mktemp -d)/launch_cost"
       ;;
     pattern)
       run_stage pattern "$OUT/pattern.log" "${TO[@]}" "$PY" tools/cuda_pattern_ceiling.py ${PATTERN_ARGS:-}
