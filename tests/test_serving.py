@@ -94,6 +94,32 @@ def test_heads_form_matches_reference_and_op(device, per_head, with_out):
     assert torch.equal(state, state_op)
 
 
+@pytest.mark.parametrize("with_out", [False, True], ids=["ret", "out"])
+def test_vllm_decode_call_goes_straight_to_the_op(monkeypatch, with_out):
+    """The common decode call (operands already expanded, (batch,) tables) skips the general
+    path's preparation (host time per eager call); the per-head form still takes it."""
+    import torch_ssd.serving as serving
+
+    def general_path(*args):
+        raise AssertionError("general path")
+
+    monkeypatch.setattr(serving, "_expand_A", general_path)
+    inp = per_head_inputs()
+    ex = expanded(inp)
+    src = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+    out = torch.empty_like(inp["x"]) if with_out else None
+    state = inp["state"].clone()
+    y = selective_state_update(state, inp["x"], ex["dt"], ex["A"], inp["B"], inp["C"], ex["D"], inp["z"],
+                               ex["dt_bias"], True, state_batch_indices=src, out=out)
+    state_op = inp["state"].clone()
+    y_op = torch.ops.ssd.decode_step(state_op, inp["x"], ex["dt"], ex["A"], inp["B"], inp["C"], ex["D"], inp["z"],
+                                     ex["dt_bias"], True, src, None, -1)
+    assert torch.equal(y, y_op) and torch.equal(state, state_op)
+    assert (y is out) == with_out
+    with pytest.raises(AssertionError, match="general path"):
+        selective_state_update(state, inp["x"], inp["dt_head"], inp["A_head"], inp["B"], inp["C"])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_out", [False, True], ids=["ret", "out"])
 def test_no_heads_form(device, with_out):

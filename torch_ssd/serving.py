@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 from torch import Tensor
@@ -121,6 +122,26 @@ def selective_state_update(
     Returns y in x's dtype and x's shape. With ``out`` the result is written into it (no
     allocation, what a CUDA graph captures) and ``out`` itself is returned.
     """
+    # vLLM's decode call (one token per row, with heads, A / D / dt_bias / dt already
+    # expanded by the caller, (batch,) slot tables) goes straight to the single-step op:
+    # the general path below costs an eager caller 4-6 us more per call on an H200 host
+    # (BENCHMARKS.md, nineteenth session). Any other call, or a rank off, takes it; it
+    # names what is wrong.
+    if (disable_state_update is False and cu_seqlens is None and num_accepted_tokens is None
+            and state.dim() == 4 and x.dim() == 3 and dt.dim() == 3 and A.dim() == 3 and B.dim() == 3
+            and C.dim() == 3 and (z is None or z.dim() == 3) and (D is None or D.dim() == 2)
+            and (dt_bias is None or dt_bias.dim() == 2) and (out is None or out.dim() == 3)
+            and (state_batch_indices is None or state_batch_indices.dim() == 1)
+            and (dst_state_batch_indices is None or dst_state_batch_indices.dim() == 1)):
+        args = (state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), state_batch_indices,
+                dst_state_batch_indices, int(pad_slot_id))
+        try:
+            if out is None:
+                return torch.ops.ssd.decode_step(*args)
+            torch.ops.ssd.decode_step_out(*args, out)
+            return out
+        except RuntimeError as err:
+            _reraise_in_drop_in_names(err)
     if not isinstance(disable_state_update, bool):
         raise RuntimeError("selective_state_update: disable_state_update must be a bool, "
                            f"got {type(disable_state_update).__name__}")
@@ -233,9 +254,7 @@ def selective_state_update(
                 torch.ops.ssd.decode_step_out(*args, out4)
                 y4 = out4
     except RuntimeError as err:
-        if type(err) is not RuntimeError:  # keep NotImplementedError, OutOfMemoryError, ... as they are
-            raise
-        raise RuntimeError(_in_drop_in_names(str(err))) from None
+        _reraise_in_drop_in_names(err)
     if out is not None:
         return out
     return y4.squeeze(1) if state.dim() == 3 else y4
@@ -260,6 +279,13 @@ def _in_drop_in_names(message: str) -> str:
     for op_name, name in _DROP_IN_NAMES:
         message = op_name.sub(name, message)
     return "selective_state_update: " + message
+
+
+def _reraise_in_drop_in_names(err: RuntimeError) -> NoReturn:
+    """An op's error in the names a caller of selective_state_update knows."""
+    if type(err) is not RuntimeError:  # keep NotImplementedError, OutOfMemoryError, ... as they are
+        raise err
+    raise RuntimeError(_in_drop_in_names(str(err))) from None
 
 
 _POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
