@@ -869,10 +869,11 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
 // (fewer where a warp's rows would outnumber its lanes, 2 at most with 8 chunks per
 // lane; 4 are streamed). By default, measured on an H200 (BENCHMARKS.md, "2026-12-01,
 // fourth session"):
-//   16-bit pools, from the rows per multiprocessor (T * H * P / SMs): 2 up to ~1200
-//   (T <= 16 for the benchmark shapes: 3-4 points of copy bandwidth above 1, 4 rows
-//   from 3.8 behind to 0.9 ahead; at T = 1 0.2-1.0 us less per step than 1 or 4), 4
-//   beyond (T = 64: 1.8-2.5 points above 1, T = 256: 9-12 above 1, 6 above 2);
+//   16-bit pools, from the rows per multiprocessor (T * H * P / SMs): 2 up to 800
+//   (T = 1 and 16 on (80,64,128,1): 3-4 points of copy bandwidth above 1, 3.2-3.4 above 4
+//   at T = 16; at T = 1 0.2-1.0 us less per step than 1 or 4), 4 beyond (T = 16 on
+//   (128,64,128,8), 993 rows: 1.4 points above 2 since the lanes are fixed, nineteenth
+//   session; T = 64: 1.8-2.5 points above 1, T = 256: 9-12 above 1, 6 above 2);
 //   float32 pools 2 (T = 1 under graph replay 0.4-1.1 us less per step than 1; level
 //   with 4 elsewhere, and 1 was 4-6 points behind at T = 256).
 int pick_lean_rows(const Dims& d, int elem_size) {
@@ -880,7 +881,7 @@ int pick_lean_rows(const Dims& d, int elem_size) {
   const int forced = env ? std::atoi(env) : 0;
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   if (elem_size == 4) return 2;
-  return lean_rows_per_sm(d) > 1200 ? 4 : 2;
+  return lean_rows_per_sm(d) > 800 ? 4 : 2;
 }
 
 // Warps per block of the lean kernel (TORCH_SSD_CUDA_WARPS=1..8 overrides): one, but
