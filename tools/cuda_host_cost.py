@@ -28,7 +28,7 @@ CPU events (the op and the CUDA runtime's calls), which place the host time insi
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import statistics
 import sys
 import time
@@ -44,16 +44,17 @@ except ImportError:
 from torch_ssd import bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_multi import MultiInputs  # noqa: E402
+from bench_multi import EnvSetting, MultiInputs  # noqa: E402
 
 
 def host_costs(cases, calls: int, rounds: int, sync) -> list[tuple[float, float, float]]:
-    """Per case (host us per call: median and least, stream us per call: median) over
+    """Per case (name, EnvSetting or None, callable): (host us per call: median and least,
+    stream us per call: median) over
     `rounds` loops of `calls`. The rounds go round-robin over the cases, so that a slow
     spell of the host (its time is noisy) falls on all of them; the least is the steadier
     figure."""
     for _, knob, fn in cases:
-        with EnvKnob(knob):
+        with knob or contextlib.nullcontext():
             for _ in range(20):
                 fn()
     sync()
@@ -61,7 +62,7 @@ def host_costs(cases, calls: int, rounds: int, sync) -> list[tuple[float, float,
     stream = [[] for _ in cases]
     for _ in range(rounds):
         for i, (_, knob, fn) in enumerate(cases):
-            with EnvKnob(knob):
+            with knob or contextlib.nullcontext():
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(calls):
@@ -74,25 +75,6 @@ def host_costs(cases, calls: int, rounds: int, sync) -> list[tuple[float, float,
     return [(statistics.median(h), min(h), statistics.median(s)) for h, s in zip(host, stream)]
 
 
-class EnvKnob:
-    """Sets one environment variable for a case (the C++ side reads it on every call)."""
-
-    def __init__(self, text: str | None):
-        self.name, _, self.value = (text or "").partition("=")
-
-    def __enter__(self):
-        if self.name:
-            self.old = os.environ.get(self.name)
-            os.environ[self.name] = self.value
-
-    def __exit__(self, *exc):
-        if self.name:
-            if self.old is None:
-                del os.environ[self.name]
-            else:
-                os.environ[self.name] = self.old
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", type=bench.Shape.parse, default=bench.Shape.parse("80,64,128,1"))
@@ -100,8 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, default=2, help="tokens of the multi-token case")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--knob", nargs="*", default=[],
-                    help="NAME=VALUE: the bfloat16 T = max(--T) step again with this variable set")
+    ap.add_argument("--knob", nargs="*", default=[], type=EnvSetting,
+                    help="NAME=VALUE[,NAME=VALUE...]: the bfloat16 T = max(--T) step again with these set")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu: the same cases on the CPU kernels")
     args = ap.parse_args(argv)
@@ -129,7 +111,7 @@ def main(argv=None) -> int:
             if pool_name == "bf16" and T == max(args.T):
                 profiled = [(f"step {pool_name} T={T}", call)]
                 for knob in args.knob:
-                    cases.append((f"step {pool_name} T={T} {knob}", knob, call))
+                    cases.append((f"step {pool_name} T={T} {knob.text}", knob, call))
     for T in [0] + list(args.T):
         m = MultiInputs(sh, max(T, 1), args.K, torch.bfloat16, torch.bfloat16, dev, gen)
         if T == 0:

@@ -49,6 +49,8 @@ void measure(cudaStream_t stream) {
   Block<kBytes> b = {};
   const double plain = least_us([&] { empty_kernel<kBytes><<<132, 32, 0, stream>>>(b); });
   auto ex = [&](bool pdl) {
+    // The configuration csrc/cuda/common.cuh's launch_kernel builds, written out here so
+    // that this file builds with nvcc alone (common.cuh needs torch's headers).
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(132);
     config.blockDim = dim3(32);
