@@ -601,7 +601,8 @@ __device__ __forceinline__ void store_chunk_raw(T* p, uint4 raw) {
 }
 
 // The same with the evict-first ("streaming") hint: a state that no later access of the
-// kernel reads (the multi-token step's K writes) need not push its inputs out of L2.
+// kernel reads (the multi-token step's K writes, the single-token step's rows) need not
+// push its inputs out of L2.
 template <typename T>
 __device__ __forceinline__ void store_chunk_streaming(T* p, uint4 raw) {
   __stcs(reinterpret_cast<uint4*>(p), raw);
@@ -612,11 +613,17 @@ __device__ __forceinline__ void store_chunk_streaming(T* p, uint4 raw) {
 // four 32-bit stores. The memory clobber keeps it in program order with every other
 // access, as a plain store is kept where it may alias them. (Not the default: in
 // kernels that hold all their rows it cost registers, and spills at 64.)
-template <typename T>
+// kEvictFirst: with the evict-first hint, as store_chunk_streaming.
+template <bool kEvictFirst = false, typename T>
 __device__ __forceinline__ void store_chunk_v4(T* p, uint4 raw) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(raw.x), "r"(raw.y), "r"(raw.z),
-               "r"(raw.w)
-               : "memory");
+  if constexpr (kEvictFirst)
+    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(raw.x), "r"(raw.y), "r"(raw.z),
+                 "r"(raw.w)
+                 : "memory");
+  else
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(raw.x), "r"(raw.y), "r"(raw.z),
+                 "r"(raw.w)
+                 : "memory");
 }
 
 template <int VEC, typename T>
