@@ -705,9 +705,9 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
   };
   // 16-bit pools: the written rows are evict-first in L2 (this kernel never reads them
   // again; the rows still to be read stay). On an H200 the four-row kernel gained 1.7-3.1
-  // points of copy bandwidth at T = 64 (T = 256 level), the two-row kernel 0.1-0.3 us per
-  // step at T = 1 and 16; float32 pools lost 1-3 % of their time at T >= 16, so they keep
-  // plain stores (BENCHMARKS.md, twenty-second session).
+  // points of copy bandwidth at T = 64 (T = 256 level), 0.1-0.65 us per step at T = 1 and
+  // 16; float32 pools took 0.5-3.6 % longer at T >= 16, so they keep plain stores
+  // (BENCHMARKS.md, twenty-second session).
   constexpr bool kEvictFirst = sizeof(PoolT) == 2;
   auto store_row = [&](int r, const uint4 (&chunks)[KB]) {
     if (!(valid[r] && last)) return;
