@@ -26,6 +26,9 @@
 #               PDL attribute, in launch_cost.log
 #   pattern     tools/cuda_pattern_ceiling.py: the step against the simplest kernel of its access
 #               pattern (addressed slots read and written back in place, Triton), in pattern.log
+#   multi-pattern  tools/cuda_multi_pattern_ceiling.py: the multi-token step against the simplest
+#               kernel of its pattern (a row's source slot read once, written to its K slots;
+#               Triton), MULTI_PATTERN_ARGS extra arguments, in multi_pattern.log
 #   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
 #               + per-row inputs, + B / C, full; rows and full also with a head's tiles side by
 #               side in the grid), each part's share of the copy, in parts.log
@@ -278,6 +281,10 @@ PYEOF
       ;;
     pattern)
       run_stage pattern "$OUT/pattern.log" "${TO[@]}" "$PY" tools/cuda_pattern_ceiling.py ${PATTERN_ARGS:-}
+      ;;
+    multi-pattern)
+      run_stage multi-pattern "$OUT/multi_pattern.log" "${TO[@]}" "$PY" tools/cuda_multi_pattern_ceiling.py \
+        ${MULTI_PATTERN_ARGS:-}
       ;;
     parts)
       run_stage parts "$OUT/parts.log" "${TO[@]}" "$PY" tools/cuda_step_parts.py ${PARTS_ARGS:-}
