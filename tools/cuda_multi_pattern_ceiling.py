@@ -15,7 +15,7 @@ device-to-device copy, as bench_multi.py counts it) for:
               few BLOCK sizes); its bytes: the state's one read and K writes only
   K-copy-1w   the same in one-warp programs of 256 bytes per thread (the lean multi-token
               kernel's footprint: one warp per block, two rows of 8 16-byte chunks)
-  fill        a plain write-only fill's bandwidth over the copy's (the writes' own ceiling)
+and, once per run, a plain write-only fill's bandwidth over the copy's (the writes' own ceiling).
 If K-copy stays near or above 90 %, the pattern allows the target and the gap is the
 kernel's; if not, the target is above what the pattern allows. Needs a CUDA device and
 Triton (exit 2 without them).
@@ -29,7 +29,7 @@ import sys
 import torch
 
 from bench_multi import MultiInputs, multi_bytes, _graph_time
-from triton_bench import bench, start, tl, triton
+from triton_bench import bench, missing_requirement, start, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -46,19 +46,19 @@ if triton is not None:
 BLOCKS = (1024, 2048, 4096, 8192)
 
 
+def pct(floor_s: float, secs: float) -> str:
+    """A time as % of its floor."""
+    return f"{100 * floor_s / secs:.1f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=bench.MODEL_SHAPES)
-    ap.add_argument("--pool-dtypes", nargs="+", default=["bf16", "fp32"])
+    bench.add_sweep_args(ap, T=[16, 64], seconds=0.1)
     ap.add_argument("--K", nargs="+", type=int, default=[2, 4, 8])
-    ap.add_argument("--T", nargs="+", type=int, default=[16, 64])
-    ap.add_argument("--seconds", type=float, default=0.1, help="seconds of samples per timing")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("cuda_multi_pattern_ceiling: needs a CUDA device", file=sys.stderr)
-        return 2
-    if triton is None:
-        print("cuda_multi_pattern_ceiling: needs Triton", file=sys.stderr)
+    missing = missing_requirement("cuda_multi_pattern_ceiling")
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     device = torch.device("cuda")
     timer, copy_Bps = start(device, args.seconds)
@@ -92,9 +92,6 @@ def main() -> int:
 
                     best_s, best_block = min((copy_s(b, 4), b) for b in BLOCKS if slot_elems % b == 0)
                     one_warp_s = copy_s(32 * 256 // pool_dtype.itemsize, 1)
-
-                    def pct(floor_s, secs):
-                        return f"{100 * floor_s / secs:.1f}"
 
                     print(f"{str(shape):>16} {name:>5} {K:>2} {T:>4} {pct(op_floor_s, multi_s):>7} "
                           f"{pct(op_floor_s, graph_s):>7} {pct(pattern_floor_s, best_s) + f' b{best_block}':>13} "

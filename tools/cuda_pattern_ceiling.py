@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from triton_bench import bench, start, tl, triton
+from triton_bench import bench, missing_requirement, start, tl, triton
 
 if triton is not None:
     @triton.jit
@@ -47,11 +47,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_sweep_args(ap, T=[64, 256], seconds=0.2)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("cuda_pattern_ceiling: needs a CUDA device", file=sys.stderr)
-        return 2
-    if triton is None:
-        print("cuda_pattern_ceiling: needs Triton", file=sys.stderr)
+    missing = missing_requirement("cuda_pattern_ceiling")
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     device = torch.device("cuda")
     timer, copy_Bps = start(device, args.seconds)

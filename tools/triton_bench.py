@@ -23,6 +23,15 @@ except ImportError:
     triton = tl = None
 
 
+def missing_requirement(tool: str) -> str | None:
+    """Why `tool` cannot run here (no CUDA device, no Triton), or None."""
+    if not torch.cuda.is_available():
+        return f"{tool}: needs a CUDA device"
+    if triton is None:
+        return f"{tool}: needs Triton"
+    return None
+
+
 def start(device: torch.device, seconds: float) -> tuple[bench.Timer, float]:
     """The tools' timer and the same-run copy bandwidth (bytes/s), with the header line
     that names the copy, the GPU and the torch and Triton versions."""
