@@ -29,6 +29,10 @@
 #   multi-pattern  tools/cuda_multi_pattern_ceiling.py: the multi-token step against the simplest
 #               kernel of its pattern (a row's source slot read once, written to its K slots;
 #               Triton), MULTI_PATTERN_ARGS extra arguments, in multi_pattern.log
+#   store-model tools/cuda_multi_store_model.py (+ .cu, built there): a model kernel with the widened
+#               multi-token kernel's footprint doing only the pattern (copy) or the step's essential
+#               work (fp), at set residencies, against the op; STORE_MODEL_ARGS extra arguments, in
+#               store_model.log
 #   parts       tools/cuda_step_parts.py: the step rebuilt in Triton one part at a time (rows,
 #               + per-row inputs, + B / C, full; rows and full also with a head's tiles side by
 #               side in the grid), each part's share of the copy, in parts.log
@@ -59,7 +63,7 @@
 # Environment: OUT (default ./device_out), TORCH_CUDA_ARCH_LIST (default "9.0"
 # here: the build is for this machine's GPU; CI compiles 8.0 and 9.0), PYTHON
 # (default python3), TEST_PATHS (default tests), TEST_ARGS / BENCH_ARGS / TUNE_ARGS / HOST_ARGS / PATTERN_ARGS /
-# PARTS_ARGS (extra arguments),
+# PARTS_ARGS / STORE_MODEL_ARGS (extra arguments),
 # FUZZ_CASES (default 60), BUDGET_S and TEST_CAP_S (see below), TORCH_SSD_SYSTEM_CXX (see build),
 # PACK=1 (at the end, everything under OUT packed into OUT/device_out.tgz, nothing else left).
 # Exit status: non-zero when any stage failed; summary.txt lists each stage's status.
@@ -285,6 +289,10 @@ PYEOF
     multi-pattern)
       run_stage multi-pattern "$OUT/multi_pattern.log" "${TO[@]}" "$PY" tools/cuda_multi_pattern_ceiling.py \
         ${MULTI_PATTERN_ARGS:-}
+      ;;
+    store-model)
+      run_stage store-model "$OUT/store_model.log" "${TO[@]}" "$PY" tools/cuda_multi_store_model.py \
+        ${STORE_MODEL_ARGS:-}
       ;;
     parts)
       run_stage parts "$OUT/parts.log" "${TO[@]}" "$PY" tools/cuda_step_parts.py ${PARTS_ARGS:-}
