@@ -87,18 +87,33 @@ class MultiInputs:
         return sum(t.numel() * t.element_size() for t in (self.pool, self.x, self.z, self.B, self.C, self.out))
 
 
+def state_bytes(shape: Shape, T: int, K: int, pool_dtype, writes: bool = True) -> int:
+    """The pool bytes of one verification step: one state read per row and (writes) one
+    state write per token -- the whole of the step's access pattern."""
+    ps = torch.tensor([], dtype=pool_dtype).element_size()
+    return T * shape.H * shape.P * shape.N * ps * (1 + (K if writes else 0))
+
+
 def multi_bytes(shape: Shape, T: int, K: int, pool_dtype, input_dtype, writes: bool = True) -> int:
     """Bytes the multi-token step must move: one state read per row, one state write per
     token (every token writes its own slot here; none with writes=False), the per-token
     inputs and y, the slot table and accepted counts, and the per-head operands."""
     H, P, N, G = shape.H, shape.P, shape.N, shape.G
-    ps = torch.tensor([], dtype=pool_dtype).element_size()
     es = torch.tensor([], dtype=input_dtype).element_size()
-    state = T * H * P * N * ps * (1 + (K if writes else 0))
+    state = state_bytes(shape, T, K, pool_dtype, writes)
     per_token = T * K * (3 * H * P + H + 2 * G * N) * es  # x, z, y; dt per head; B, C
     indices = (T * K + T) * 8
     per_head = 3 * H * 4
     return state + per_token + indices + per_head
+
+
+def multi_input_sets(shape: Shape, T: int, K: int, pool_dtype, input_dtype, device, cache_bytes: int,
+                     seed: int | None = None) -> list[MultiInputs]:
+    """Input sets of one (shape, T, K, pool dtype) cell that together span cache_bytes
+    (rotating_sets, at most 32), drawn from the cell's seed (T * 131 + K unless given)."""
+    gen = torch.Generator().manual_seed(T * 131 + K if seed is None else seed)
+    return rotating_sets(lambda: MultiInputs(shape, T, K, pool_dtype, input_dtype, device, gen), cache_bytes,
+                         max_sets=32)
 
 
 def _graph_time(sets, timer: Timer, device) -> float:
@@ -133,9 +148,7 @@ class EnvSetting:
 
 def bench_one(shape, T, K, pool_dtype, input_dtype, device, timer, cache_bytes, with_reference, with_compile,
               seed, ab=(), y_only=False):
-    gen = torch.Generator().manual_seed(seed)
-    sets = rotating_sets(lambda: MultiInputs(shape, T, K, pool_dtype, input_dtype, device, gen), cache_bytes,
-                         max_sets=32)
+    sets = multi_input_sets(shape, T, K, pool_dtype, input_dtype, device, cache_bytes, seed)
     n = len(sets)
     warm = max(2, min(n, 8))
     row = {"shape": str(shape), "T": T, "K": K, "pool": SHORT_NAME[pool_dtype], "inputs": SHORT_NAME[input_dtype],

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from bench_multi import MultiInputs, multi_bytes, _graph_time
+from bench_multi import _graph_time, multi_bytes, multi_input_sets, state_bytes
 from triton_bench import bench, missing_requirement, start, tl, triton
 
 if triton is not None:
@@ -74,13 +74,11 @@ def main() -> int:
             pool_dtype = bench.DTYPES[name]
             for K in args.K:
                 for T in args.T:
-                    gen = torch.Generator().manual_seed(T * 131 + K)
-                    sets = bench.rotating_sets(
-                        lambda: MultiInputs(shape, T, K, pool_dtype, torch.bfloat16, device, gen), cache, max_sets=32)
+                    sets = multi_input_sets(shape, T, K, pool_dtype, torch.bfloat16, device, cache)
                     n = len(sets)
                     warm = max(2, min(n, 8))
                     op_floor_s = multi_bytes(shape, T, K, pool_dtype, torch.bfloat16) / copy_Bps
-                    pattern_floor_s = T * slot_elems * pool_dtype.itemsize * (1 + K) / copy_Bps
+                    pattern_floor_s = state_bytes(shape, T, K, pool_dtype) / copy_Bps
                     multi_s = timer.time(lambda i: sets[i % n].multi(), warm)
                     graph_s = _graph_time(sets, timer, device)
 

@@ -216,8 +216,8 @@ int64_t needed_smem(int64_t K, int64_t rows, bool compute) {
   return compute ? K * (2 * kN + kRowsPerPass * rows * 4) * 4 : 0;
 }
 
-// {resident blocks per SM, registers per thread} for this form with `smem` bytes of
-// dynamic shared memory per block.
+// {resident blocks per SM, registers per thread, local bytes per thread} for this form
+// with `smem` bytes of dynamic shared memory per block.
 std::vector<int64_t> occupancy(bool bf16_pool, int64_t rows, bool compute, int64_t smem) {
   const KernelFn fn = pick(bf16_pool, rows, compute);
   C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -232,6 +232,7 @@ void launch(at::Tensor pool, at::Tensor table, at::Tensor accepted, at::Tensor x
             at::Tensor B, at::Tensor C, at::Tensor A, at::Tensor D, at::Tensor dt_bias, at::Tensor y, int64_t rows,
             bool compute, int64_t extra, int64_t smem) {
   TORCH_CHECK(pool.dim() == 4 && pool.size(3) == kN && pool.is_contiguous(), "pool: contiguous (S, H, P, 128)");
+  TORCH_CHECK(pool.scalar_type() == at::kBFloat16 || pool.scalar_type() == at::kFloat, "pool: bfloat16 or float32");
   const int64_t T = table.size(0), K = table.size(1), H = pool.size(1), P = pool.size(2), G = B.size(2);
   TORCH_CHECK(K <= 32 && P % (kRowsPerPass * rows) == 0 && H % G == 0, "K <= 32, P a multiple of the tile");
   TORCH_CHECK(smem >= needed_smem(K, rows, compute), "smem below what the form needs");
@@ -249,9 +250,8 @@ void launch(at::Tensor pool, at::Tensor table, at::Tensor accepted, at::Tensor x
   a.y = reinterpret_cast<__nv_bfloat16*>(y.data_ptr());
   a.T = T, a.K = K, a.H = H, a.P = P, a.G = G;
   a.extra = static_cast<int>(extra), a.one = 1.f, a.zero = 0.f;
-  TORCH_CHECK(pool.scalar_type() == at::kBFloat16 || pool.scalar_type() == at::kFloat, "pool: bfloat16 or float32");
   const KernelFn fn = pick(pool.scalar_type() == at::kBFloat16, rows, compute);
-  if (smem > 48 * 1024)  // above the default limit: allowed once per process and form
+  if (smem > 48 * 1024)  // above the default per-block limit, the form must opt in
     C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int blocks = static_cast<int>(T * H * (P / (kRowsPerPass * rows)));
   fn<<<blocks, 32, static_cast<size_t>(smem), c10::cuda::getCurrentCUDAStream()>>>(a);

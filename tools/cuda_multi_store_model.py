@@ -37,7 +37,6 @@ is printed, the timings still run; --no-check: skipped). Needs a CUDA device and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -47,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_multi import MultiInputs, multi_bytes  # noqa: E402
+from bench_multi import MultiInputs, multi_bytes, multi_input_sets, state_bytes  # noqa: E402
 from torch_ssd import bench  # noqa: E402
 
 DEFAULT_FORMS = ["copy:2:8", "copy:2:12", "copy:2:16", "copy:1:max", "fp:2:8:0", "fp:2:12:0", "fp:2:max:0",
@@ -88,8 +87,8 @@ def build():
 def model_args(inp: MultiInputs):
     """The model's operands from one input set (views of the op's own tensors)."""
     src_dt = inp.dt[..., 0]  # (T, K, H): dt is per head, expanded along P
-    return (inp.table, inp.accepted.to(torch.int64), inp.x, src_dt, inp.z, inp.B, inp.C, inp.A[:, 0, 0].contiguous(),
-            inp.D[:, 0].contiguous(), inp.dt_bias[:, 0].contiguous(), inp.out)
+    return (inp.table, inp.accepted, inp.x, src_dt, inp.z, inp.B, inp.C, inp.A[:, 0, 0], inp.D[:, 0],
+            inp.dt_bias[:, 0], inp.out)
 
 
 def check(ext, inp: MultiInputs, form: Form, smem: int):
@@ -107,7 +106,7 @@ def check(ext, inp: MultiInputs, form: Form, smem: int):
         torch.testing.assert_close(inp.pool[written], want_pool[written], **tol)
         torch.testing.assert_close(inp.out.float(), want_y.float(), rtol=2e-2, atol=2e-2)
     else:
-        src = inp.table.gather(1, (inp.accepted.to(torch.int64) - 1).view(-1, 1)).flatten()
+        src = inp.first_src
         expect = start[src].unsqueeze(1).expand(-1, inp.K, *start.shape[1:]).flatten(0, 1)
         torch.testing.assert_close(inp.pool[written], expect, rtol=0, atol=0)
     inp.pool.copy_(start)
@@ -137,19 +136,17 @@ def main() -> int:
     legend = {}
     for text in args.shapes:
         shape = bench.Shape.parse(text)
-        slot_elems = shape.H * shape.P * shape.N
         for name in args.pool_dtypes:
             pool_dtype = bench.DTYPES[name]
             checked = args.no_check
             for K in args.K:
                 for T in args.T:
-                    gen = torch.Generator().manual_seed(T * 131 + K)
-                    sets = bench.rotating_sets(
-                        lambda: MultiInputs(shape, T, K, pool_dtype, torch.bfloat16, device, gen), cache, max_sets=32)
+                    sets = multi_input_sets(shape, T, K, pool_dtype, torch.bfloat16, device, cache)
                     n = len(sets)
                     warm = max(2, min(n, 8))
+                    margs = [model_args(s) for s in sets]
                     op_floor_s = multi_bytes(shape, T, K, pool_dtype, torch.bfloat16) / copy_Bps
-                    pattern_floor_s = T * slot_elems * pool_dtype.itemsize * (1 + K) / copy_Bps
+                    pattern_floor_s = state_bytes(shape, T, K, pool_dtype) / copy_Bps
                     if not checked:
                         failed = []
                         for form in args.forms:
@@ -167,7 +164,6 @@ def main() -> int:
                         smem = form.smem(ext, K)
                         blocks, regs, local = ext.occupancy(pool_dtype == torch.bfloat16, form.rows, form.compute, smem)
                         legend[(form.text, name, K)] = (blocks, regs, local, smem)
-                        margs = [model_args(s) for s in sets]
                         secs = timer.time(lambda i: ext.launch(sets[i % n].pool, *margs[i % n], form.rows,
                                                                form.compute, form.extra, smem), warm)
                         cells.append(100 * (op_floor_s if form.compute else pattern_floor_s) / secs)
