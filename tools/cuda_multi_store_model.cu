@@ -16,6 +16,8 @@
 //                     (fmaf(s, 1, 0)): instructions the real kernel spends on what the model
 //                     leaves out, to see what each 64 per token costs.
 // Occupancy is set from outside by the dynamic shared memory a block asks for.
+#include <algorithm>
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -216,11 +218,21 @@ int64_t needed_smem(int64_t K, int64_t rows, bool compute) {
   return compute ? K * (2 * kN + kRowsPerPass * rows * 4) * 4 : 0;
 }
 
+// Lets `fn` launch with `smem` bytes of dynamic shared memory. The limit is raised, never
+// set below the 48 KB default: a lower one left by one form would refuse another form's
+// larger launch of the same kernel.
+constexpr int64_t kDefaultSmemLimit = 48 * 1024;
+
+void allow_smem(KernelFn fn, int64_t smem) {
+  const int limit = static_cast<int>(std::max(smem, kDefaultSmemLimit));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+}
+
 // {resident blocks per SM, registers per thread, local bytes per thread} for this form
 // with `smem` bytes of dynamic shared memory per block.
 std::vector<int64_t> occupancy(bool bf16_pool, int64_t rows, bool compute, int64_t smem) {
   const KernelFn fn = pick(bf16_pool, rows, compute);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allow_smem(fn, smem);
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, 32, static_cast<size_t>(smem)));
   cudaFuncAttributes attr{};
@@ -251,8 +263,7 @@ void launch(at::Tensor pool, at::Tensor table, at::Tensor accepted, at::Tensor x
   a.T = T, a.K = K, a.H = H, a.P = P, a.G = G;
   a.extra = static_cast<int>(extra), a.one = 1.f, a.zero = 0.f;
   const KernelFn fn = pick(pool.scalar_type() == at::kBFloat16, rows, compute);
-  if (smem > 48 * 1024)  // above the default per-block limit, the form must opt in
-    C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (smem > kDefaultSmemLimit) allow_smem(fn, smem);  // (no host call per timed launch below it)
   const int blocks = static_cast<int>(T * H * (P / (kRowsPerPass * rows)));
   fn<<<blocks, 32, static_cast<size_t>(smem), c10::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
