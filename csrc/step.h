@@ -146,11 +146,14 @@ SSD_HD float accumulate_y(float acc, float state, float c) { return fmaf(state, 
 SSD_HD float accumulate_y(float acc, float state, float c) { return acc + state * c; }
 #endif
 
+// silu(z) = z * sigmoid(z), the factor y takes from z.
+SSD_HD float silu_gate(float z) { return z / (1.0f + expf(-z)); }
+
 // y = sum_n(s * C) + D * x, then * silu(z).
 SSD_HD float finish_y(const StepParams& s, float sum, const ChannelInputs& in) {
   float y = sum;
   if (s.D.present()) y += in.D * in.x;
-  if (s.z.present()) y *= in.z / (1.0f + expf(-in.z));
+  if (s.z.present()) y *= silu_gate(in.z);
   return y;
 }
 

@@ -953,6 +953,11 @@ LEAN_MULTI_CHOICES = (
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_KEPT_BC": "0"},
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_KEPT_BC": "1", "TORCH_SSD_CUDA_MULTI_BULK": "1"},
     {"TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_MULTI_KEPT_BC": "1", "TORCH_SSD_CUDA_MULTI_FIXED_LANES": "0"},
+    # The windowed kernel (N = 128; the widened kernel at other N): one tile per warp, two
+    # (a row of up to 8 tokens reuses its B / C), tiles side by side in the grid.
+    {"TORCH_SSD_CUDA_MULTI_BC": "windowed", "TORCH_SSD_CUDA_MULTI_TILES": "1"},
+    {"TORCH_SSD_CUDA_MULTI_BC": "windowed", "TORCH_SSD_CUDA_MULTI_TILES": "2", "TORCH_SSD_CUDA_PDL": "0"},
+    {"TORCH_SSD_CUDA_MULTI_BC": "windowed", "TORCH_SSD_CUDA_MULTI_ORDER": "1"},
 )
 LEAN_MULTI_KNOBS = sorted({key for env in LEAN_MULTI_CHOICES for key in env})
 
@@ -1026,6 +1031,20 @@ def test_serving_inputs_take_the_lean_multi_kernel(form, monkeypatch):
     op = torch.ops.ssd.decode_step_multi if form == "fixed" else torch.ops.ssd.decode_step_varlen
     args = multi_args if form == "fixed" else varlen_args
     assert_lean_kernel_runs(lambda: op(*args(base)), "multi_step", "multi_step_lean", monkeypatch)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("n, kernel", ((128, "multi_step_windowed"), (64, "multi_step_lean")))
+def test_lean_windowed_knob_takes_multi_step_windowed_at_n_128(n, kernel, monkeypatch):
+    """TORCH_SSD_CUDA_MULTI_BC=windowed runs multi_step_windowed where it applies (N = 128)
+    and the widened lean kernel elsewhere, so the bit comparison above covers it."""
+    base = _lean_case("fixed", 4, n, torch.bfloat16, torch.bfloat16)
+    monkeypatch.setenv("TORCH_SSD_CUDA_MULTI_BC", "windowed")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.ssd.decode_step_multi(*multi_args(base))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "multi_step" in e.name]
+    assert names and all(kernel in name for name in names), names
 
 
 # ---------------------------------------------------------------------------

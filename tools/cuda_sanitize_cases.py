@@ -5,6 +5,7 @@ all three pool dtypes.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tools/cuda_sanitize_cases.py
     compute-sanitizer --tool racecheck python tools/cuda_sanitize_cases.py
+    compute-sanitizer --tool racecheck python tools/cuda_sanitize_cases.py --windowed-only
 
 (Without caching, every tensor is its own allocation, so memcheck sees a read or
 write past a tensor's end.) Each call's results are also checked against the CPU
@@ -13,6 +14,7 @@ kernels, so the script fails on its own (exit 1) if a CUDA result is wrong.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -203,10 +205,12 @@ def multi_cases(pool_dtype, layout, N):
         check(f"{tag} {name}", g, w)
 
 
-def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows="", K=20, kept_bc=""):
+def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows="", K=20, kept_bc="", N=64):
     """A long row through the lean multi-token kernel's B / C path `bc_path` (K = 20:
     widened, both float32 buffers in turn ten times, and each warp walks two tiles of
-    rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64), each token
+    rows; staged, three stages of 8 tokens with a 16-bit pool at N = 64; windowed, which
+    takes only N = 128: three windows, or with K <= 8 one window whose B / C the second
+    tile reuses), each token
     writing its own slot, against the CPU; `order` the grid's block order
     (TORCH_SSD_CUDA_MULTI_ORDER), `bulk` whether the widened path writes its states by
     bulk copies from shared memory (TORCH_SSD_CUDA_MULTI_BULK), `next_rows` whether a warp's
@@ -221,7 +225,7 @@ def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows="", K=20,
     os.environ["TORCH_SSD_CUDA_MULTI_BULK"] = bulk
     os.environ["TORCH_SSD_CUDA_MULTI_NEXT_ROWS"] = next_rows
     os.environ["TORCH_SSD_CUDA_MULTI_KEPT_BC"] = kept_bc
-    S, T, H, P, G, N = 2 * K + 8, 2, 2, 40, 1, 64
+    S, T, H, P, G = 2 * K + 8, 2, 2, 40, 1
     pool = randn(S, H, P, N, dtype=pool_dtype)
     ops = {k: randn(T, K, H, P, dtype=torch.bfloat16) for k in ("x", "z")}
     ops["dt"] = randn(T, K, H, P, dtype=torch.bfloat16) * 0.3
@@ -239,17 +243,32 @@ def long_rows_case(pool_dtype, bc_path, order="0", bulk="0", next_rows="", K=20,
                                             -1, None, True)
         res.append((y, pl))
     for name, g, w in zip(("y", "pool"), res[1], res[0]):
-        check(f"long rows {pool_dtype} {bc_path} K={K} {name}", g, w)
+        check(f"long rows {pool_dtype} {bc_path} K={K} N={N} {name}", g, w)
     for key in ("TORCH_SSD_CUDA_MULTI_BC", "TORCH_SSD_CUDA_MULTI_TILES", "TORCH_SSD_CUDA_MULTI_ORDER",
                 "TORCH_SSD_CUDA_MULTI_BULK", "TORCH_SSD_CUDA_MULTI_NEXT_ROWS", "TORCH_SSD_CUDA_MULTI_KEPT_BC"):
         del os.environ[key]
 
 
+def windowed_cases(pool_dtype):
+    """multi_step_windowed (N = 128 only): three windows, and one window whose B / C the
+    warp's second tile reuses."""
+    long_rows_case(pool_dtype, "windowed", N=128)
+    long_rows_case(pool_dtype, "windowed", K=8, N=128)
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windowed-only", action="store_true",
+                        help="only the windowed multi-token kernel's long-row cases (a quick check of that "
+                             "kernel alone, e.g. under racecheck)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
     for pool_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        windowed_cases(pool_dtype)
+        if args.windowed_only:
+            continue
         for layout in ("contiguous", "transposed", "strided", "offset"):
             for N in (64, 20):
                 step_case(pool_dtype, layout, N, broadcast=layout == "contiguous",

@@ -430,18 +430,61 @@ constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (t
 constexpr int kMaxWidePieces = 2;      // kWidened: pieces of B / C per lane and token
 constexpr int kStoreRowPad = 64;  // bulk stores: bytes between a row and the next in a store buffer (banks)
 
+// The slots a window of kWindow tokens (from token kw of row t, which has `count` tokens)
+// writes, decided by the whole warp (every lane calls it with the same arguments): lane w
+// of each kWindow lanes gets token kw + w's slot as a 32-bit number (every addressable
+// slot is below S < 2^31, host-checked), or -1 when it writes nothing or a later write to
+// the same slot overrides it (multi_last_writer's rule). Each lane takes some of the later
+// rows (their source check once per row) and compares their writes with the window's.
+__device__ __forceinline__ int32_t warp_window_dests(const MultiStepParams& m, int64_t t, int count, int kw,
+                                                     int lane) {
+  const StepParams& s = m.step;
+  const bool may_collide = m.write_state && m.dst.present();
+  const int w = lane & (kWindow - 1);
+  const int64_t d = kw + w < count ? multi_dest_slot(m, t, kw + w, count) : kNoSlot;
+  const int32_t mine = slot_addressable(d, s.S, s.pad_slot_id) ? static_cast<int32_t>(d) : -1;
+  if (!may_collide) return mine;
+  int32_t dsts[kWindow];
+#pragma unroll
+  for (int v = 0; v < kWindow; ++v) dsts[v] = __shfl_sync(kFullMask, mine, v);
+  const int64_t columns = multi_write_columns(m);
+  uint32_t bits = 0;
+  for (int64_t u = t + lane; u < s.T; u += kWarp) {  // this lane's later rows
+    const int64_t n = multi_writing_tokens(m, u, t, count);
+    for (int64_t i = 0; i < columns; ++i) {
+      const int64_t j = multi_column_token(m, i, n);
+      if (j < 0) continue;
+      const int64_t slot = multi_dest_slot(m, u, j, n);
+      if (!slot_addressable(slot, s.S, s.pad_slot_id)) continue;  // writes nothing
+      // The window's tokens this write comes after: all of them for a later row,
+      // those before token j in this row.
+      const int64_t before = j - kw;
+      const uint32_t after_mask =
+          u > t || before >= kWindow ? (1u << kWindow) - 1 : before <= 0 ? 0u : (1u << before) - 1;
+      uint32_t equal = 0;
+#pragma unroll
+      for (int v = 0; v < kWindow; ++v) equal |= static_cast<uint32_t>(dsts[v] == static_cast<int32_t>(slot)) << v;
+      bits |= equal & after_mask;
+    }
+  }
+  bits = __reduce_or_sync(kFullMask, bits);
+  return (bits >> w) & 1u ? -1 : mine;
+}
+
 // How the lean kernel's B and C reach the token loop (pick_bc_path).
 enum class BcPath {
   kRegisters,  // each lane loads its own chunks, a token ahead, into registers and widens them
   kStaged,     // a stage of tokens' raw bytes copied into shared memory by cp.async, widened by each lane
   kWidened,    // each lane loads a 32nd of the next token's B and C and widens it once for the whole
                // warp into a float32 buffer (two buffers); every lane reads its chunks as floats
+  kWindowed,   // multi_step_windowed: a window's raw B / C and per-(row, token) scalars in shared
+               // memory, nothing per token in registers but the state (N = 128 only; a knob)
 };
 
 // Rows per thread (the same chunks of each) of the lean kernel on each path, and the
-// resident warps per multiprocessor the host tiles for (kWidened's launch bounds ask
-// for exactly that; the others' are below).
-constexpr int lean_rows(BcPath path) { return path == BcPath::kWidened ? 2 : 1; }
+// resident warps per multiprocessor the host tiles for (kWidened's and kWindowed's launch
+// bounds ask for exactly that; the others' are below).
+constexpr int lean_rows(BcPath path) { return path == BcPath::kWidened || path == BcPath::kWindowed ? 2 : 1; }
 constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ? 12 : 16; }
 
 // Launch bounds: kWidened (two rows: 64 state floats) 12 warps per multiprocessor, 168
@@ -499,41 +542,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   const InT* B0 = static_cast<const InT*>(s.B.data) + first * s.B.stride[0] + g * s.B.stride[1];
   const InT* C0 = static_cast<const InT*>(s.C.data) + first * s.C.stride[0] + g * s.C.stride[1];
 
-  // Lane w (of each kWindow lanes) gets the slot token kw + w writes, as a 32-bit
-  // number (every addressable slot is below S < 2^31, host-checked), or -1 when it
-  // writes nothing or a later write to the same slot overrides it.
-  const bool may_collide = m.write_state && m.dst.present();
-  auto window_dests = [&](int kw) {
-    const int w = lane & (kWindow - 1);
-    const int64_t d = kw + w < count ? multi_dest_slot(m, t, kw + w, count) : kNoSlot;
-    const int32_t mine = slot_addressable(d, s.S, s.pad_slot_id) ? static_cast<int32_t>(d) : -1;
-    if (!may_collide) return mine;
-    int32_t dsts[kWindow];
-#pragma unroll
-    for (int v = 0; v < kWindow; ++v) dsts[v] = __shfl_sync(kFullMask, mine, v);
-    const int64_t columns = multi_write_columns(m);
-    uint32_t bits = 0;
-    for (int64_t u = t + lane; u < s.T; u += kWarp) {  // this lane's later rows
-      const int64_t n = multi_writing_tokens(m, u, t, count);
-      for (int64_t i = 0; i < columns; ++i) {
-        const int64_t j = multi_column_token(m, i, n);
-        if (j < 0) continue;
-        const int64_t slot = multi_dest_slot(m, u, j, n);
-        if (!slot_addressable(slot, s.S, s.pad_slot_id)) continue;  // writes nothing
-        // The window's tokens this write comes after: all of them for a later row,
-        // those before token j in this row.
-        const int64_t before = j - kw;
-        const uint32_t after_mask =
-            u > t || before >= kWindow ? (1u << kWindow) - 1 : before <= 0 ? 0u : (1u << before) - 1;
-        uint32_t equal = 0;
-#pragma unroll
-        for (int v = 0; v < kWindow; ++v) equal |= static_cast<uint32_t>(dsts[v] == static_cast<int32_t>(slot)) << v;
-        bits |= equal & after_mask;
-      }
-    }
-    bits = __reduce_or_sync(kFullMask, bits);
-    return (bits >> w) & 1u ? -1 : mine;
-  };
+  // Lane w (of each kWindow lanes) gets the slot token kw + w writes, or -1.
+  auto window_dests = [&](int kw) { return warp_window_dests(m, t, count, kw, lane); };
   const int32_t first_window = pad_row ? -1 : window_dests(0);
 
   // kStaged: B and C reach the token loop through shared memory, a stage of tokens
@@ -891,6 +901,241 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   if (kWidened && L.bulk_stores) bulk_wait_all();  // the copies read this block's shared memory
 }
 
+// ---------------------------------------------------------------------------
+// multi_step_windowed (BcPath::kWindowed, TORCH_SSD_CUDA_MULTI_BC=windowed; N = 128, 4 lanes
+// per row): the widened kernel's mapping -- one warp per block, two head-dim rows per
+// thread, the same chunks, per-element arithmetic and order of y's sum, so the same bits --
+// held to 128 registers, 16 resident warps per multiprocessor where the widened kernel
+// keeps 12 (the store model found the token loop short of warps, not of instructions:
+// BENCHMARKS.md, thirty-second session). Between tokens a thread keeps nothing in
+// registers but its state. Per window of kWindow tokens the warp
+//   * copies the tokens' raw B and C rows into shared memory (cp.async: no register while
+//     in flight); a token's reader widens its chunks as it reads them;
+//   * computes each (row, token) pair's scalars once -- the decay, dt * x, D * x, silu(z)
+//     -- into shared memory (lane l: row l % 16 of the tile, tokens l / 16, + 2, + 4, + 6 of
+//     the window); a token reads its two rows' decay and dt * x there;
+//   * leaves each token's y sums there, and finishes and writes y by the pairs' lanes once
+//     the window's tokens are done.
+// A row of at most kWindow tokens copies its B / C once for all of its warp's tiles. Not
+// here: the widened kernel's next-tile rows in shared memory and its bulk stores.
+// ---------------------------------------------------------------------------
+constexpr int kWindowedLanes = 4;                                           // lanes per row (N = 128)
+constexpr int kWindowedTileRows = 2 * kWarp / kWindowedLanes;               // rows per tile: 16
+constexpr int kWindowedPairsPerLane = kWindow * kWindowedTileRows / kWarp;  // (row, token) pairs: 4
+
+// Bytes of one 16- or 8-byte copy of B / C: the alignment the host checks (the chunk's,
+// at most 16 bytes), as in the lean kernel.
+template <typename PoolT, typename InT>
+constexpr int windowed_piece_bytes() {
+  return RawChunk<vec_of<PoolT>(), InT>::kBytes >= 16 ? 16 : 8;
+}
+
+// Shared memory of multi_step_windowed: the window's raw B / C rows (token k's B row, then
+// its C row), then per (token, row) four float scalars, then per (token, row) y's sum.
+template <typename InT>
+constexpr size_t windowed_bc_bytes() {
+  return static_cast<size_t>(kWindow) * 2 * kWindowedLanes * 32 * sizeof(InT);
+}
+template <typename InT>
+constexpr size_t windowed_smem() {
+  return windowed_bc_bytes<InT>() + static_cast<size_t>(kWindow) * kWindowedTileRows * (4 + 1) * sizeof(float);
+}
+
+template <typename PoolT, typename InT, int KB>
+__global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  // 16 warps: 128 registers
+    multi_step_windowed(const __grid_constant__ MultiStepParams m, const LeanMultiLaunch L) {
+  constexpr int VEC = vec_of<PoolT>();
+  constexpr int kLanes = kWindowedLanes;
+  constexpr int kRows = 2;
+  constexpr int kRpw = kWarp / kLanes;  // rows per warp pass: row r of a thread is r * kRpw after its row 0
+  constexpr int kN = kLanes * KB * VEC;
+  static_assert(kN == 128, "multi_step_windowed: N = 128");
+  constexpr int kPieceBytes = windowed_piece_bytes<PoolT, InT>();
+  constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
+  constexpr int kRowPieces = kN / kPieceElems;  // copies per B or C row
+  const StepParams& s = m.step;
+  const LeanBlock at = lean_block(L.tiles_inner);
+  const uint32_t h = at.h, t = at.row;
+  const uint32_t group = at.tile, groups = at.tiles, heads = at.heads;  // this warp's tiles: group, + groups, ...
+  const uint32_t g = h / L.heads_per_group;
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int li = lane & (kLanes - 1);
+  const int row_in_warp = lane / kLanes;
+  const int q_pair = lane % kWindowedTileRows;  // the tile row of this lane's pairs
+  const int k_pair = lane / kWindowedTileRows;  // its first token of a window (then + 2, + 4, + 6)
+
+  wait_for_prior_grid();
+  allow_next_grid();
+  if (t == s.T) {  // varlen: the extra grid row
+    clear_unowned(m, h * groups + group, heads * groups);
+    return;
+  }
+  const RowTokens tokens = multi_row_tokens(m, t);
+  const int64_t first = tokens.first;
+  const int count = static_cast<int>(tokens.count);
+  const int P = static_cast<int>(s.P);
+  if (count == 0) return;  // owns no token
+  const int64_t src = multi_source_slot(m, t);
+  const bool pad_row = !slot_addressable(src, s.S, s.pad_slot_id);
+  PoolT* const pool = static_cast<PoolT*>(s.pool);
+  const InT* const B0 = static_cast<const InT*>(s.B.data) + first * s.B.stride[0] + g * s.B.stride[1];
+  const InT* const C0 = static_cast<const InT*>(s.C.data) + first * s.C.stride[0] + g * s.C.stride[1];
+  // Element (token 0 of this row, head h, channel p) of x, dt, z or y.
+  auto pair_in = [&](const OperandRef& o, int64_t p) {
+    return static_cast<const InT*>(o.data) + (first * o.stride[0] + h * o.stride[1] + p * o.stride[2]);
+  };
+  const int32_t first_window = pad_row ? -1 : warp_window_dests(m, t, count, 0, lane);
+
+  extern __shared__ __align__(16) unsigned char lean_smem[];
+  InT* const bc = reinterpret_cast<InT*>(lean_smem);
+  float4* const scalars = reinterpret_cast<float4*>(lean_smem + windowed_bc_bytes<InT>());  // [token][row]
+  float* const y_sums = reinterpret_cast<float*>(scalars + kWindow * kWindowedTileRows);    // [token][row]
+
+  // The raw B / C rows of the window's n tokens from token kw: copy i by lane i % 32.
+  auto copy_bc = [&](int kw, int n) {
+    for (int i = lane; i < n * 2 * kRowPieces; i += kWarp) {
+      const int row = i / kRowPieces;  // 2 * token + (0: B, 1: C)
+      const int piece = i - row * kRowPieces;
+      const int k = kw + (row >> 1);
+      const InT* from = (row & 1 ? C0 + k * m.C_tok : B0 + k * m.B_tok) + piece * kPieceElems;
+      stage_bytes_async<kPieceBytes>(from, bc + row * kN + piece * kPieceElems);
+    }
+    stage_commit();
+  };
+
+#pragma unroll 1
+  for (int tile = group; tile < L.tiles; tile += groups) {
+    const int p0 = tile * kWindowedTileRows;
+    const int p_any = p0 + row_in_warp;  // this thread's row 0 (its chunks along N)
+    const int p = p_any < P ? p_any : p0;
+    bool valid[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) valid[r] = p_any + r * kRpw < P;
+    const bool pair_valid = p0 + q_pair < P;
+    const int p_pair = pair_valid ? p0 + q_pair : p0;
+    InT* const y_pair = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_pair * s.y_stride[2]);
+    if (pad_row) {  // y = 0, the pool untouched
+      if (pair_valid)
+        for (int k = k_pair; k < count; k += kWarp / kWindowedTileRows) y_pair[k * m.y_tok] = narrow<InT>(0.0f);
+      continue;
+    }
+    const int64_t row_offset = s.pool_offset(0, h, p);  // row 0's, + slot * pool_stride[0]
+    const int64_t pool_half = kRpw * s.pool_stride[2];
+    uint4 raw[kRows][KB];
+    {
+      const PoolT* row = pool + (src * s.pool_stride[0] + row_offset);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < KB; ++j)
+          raw[r][j] = valid[r] ? load_chunk_raw(row + r * pool_half + (j * kLanes + li) * VEC) : make_uint4(0, 0, 0, 0);
+    }
+    // A row of at most kWindow tokens: its B / C are in the buffer from the warp's first tile on.
+    const bool bc_kept = count <= kWindow && tile != static_cast<int>(group);
+
+    // Window kw's B / C copies go out and its pairs' scalars go into shared memory; returns
+    // its tokens. (Every lane is past the previous window's reads of both.)
+    auto open_window = [&](int kw) {
+      const int n = count - kw < kWindow ? count - kw : kWindow;
+      if (!bc_kept) copy_bc(kw, n);
+      const InT* const x_p = pair_in(s.x, p_pair);
+      const InT* const dt_p = pair_in(s.dt, p_pair);
+      const bool has_z = s.z.present();
+      const InT* const z_p = has_z ? pair_in(s.z, p_pair) : x_p;  // (no branch around the loads)
+      float xv[kWindowedPairsPerLane], dtv[kWindowedPairsPerLane], zv[kWindowedPairsPerLane];
+#pragma unroll
+      for (int u = 0; u < kWindowedPairsPerLane; ++u) {
+        const int kk = k_pair + u * (kWarp / kWindowedTileRows);
+        const int k = kw + (kk < n ? kk : n - 1);
+        xv[u] = widen(x_p[k * m.x_tok]);
+        dtv[u] = widen(dt_p[k * m.dt_tok]);
+        zv[u] = widen(z_p[k * m.z_tok]);
+      }
+      ChannelInputs in;
+      if (s.dt_bias.present()) in.dt_bias = s.dt_bias.at(h, p_pair);
+      if (s.D.present()) in.D = s.D.at(h, p_pair);
+      const float a = s.A.at(h, p_pair);
+#pragma unroll
+      for (int u = 0; u < kWindowedPairsPerLane; ++u) {
+        const int kk = k_pair + u * (kWarp / kWindowedTileRows);
+        in.x = xv[u], in.dt = dtv[u], in.z = has_z ? zv[u] : 0.0f;
+        const float dtc = channel_dt(s, in);
+        scalars[kk * kWindowedTileRows + q_pair] =
+            make_float4(decay(a, dtc), dtc * in.x, in.D * in.x, has_z ? silu_gate(in.z) : 1.0f);
+      }
+      return n;
+    };
+    // y of window kw's n tokens, finished by the pairs' lanes.
+    auto finish_window = [&](int kw, int n) {
+#pragma unroll
+      for (int u = 0; u < kWindowedPairsPerLane; ++u) {
+        const int kk = k_pair + u * (kWarp / kWindowedTileRows);
+        if (!pair_valid || kk >= n) continue;
+        const float4 sc = scalars[kk * kWindowedTileRows + q_pair];
+        // finish_y's arithmetic, on the staged D * x and silu(z)
+        float y = y_sums[kk * kWindowedTileRows + q_pair];
+        if (s.D.present()) y += sc.z;
+        if (s.z.present()) y *= sc.w;
+        y_pair[(kw + kk) * m.y_tok] = narrow<InT>(y);
+      }
+    };
+
+    int n = open_window(0);
+    float st[kRows][KB][VEC];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int j = 0; j < KB; ++j) widen_chunk<VEC, PoolT>(raw[r][j], st[r][j]);
+#pragma unroll 1
+    for (int kw = 0;;) {
+      const int32_t window = kw == 0 ? first_window : warp_window_dests(m, t, count, kw, lane);
+      stage_wait_all();
+      __syncwarp();  // the window's B / C and scalars are visible to every lane
+#pragma unroll 1
+      for (int kk = 0; kk < n; ++kk) {
+        const InT* const b_tok = bc + kk * 2 * kN;
+        float dA[kRows], dtx[kRows], acc[kRows];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const float4 sc = scalars[kk * kWindowedTileRows + row_in_warp + r * kRpw];
+          dA[r] = sc.x, dtx[r] = sc.y, acc[r] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < KB; ++j) {
+          const int c = j * kLanes + li;
+          float b[VEC], cc[VEC];
+          widen_raw(load_raw_shared<VEC, InT, true>(b_tok + c * VEC), b);
+          widen_raw(load_raw_shared<VEC, InT, true>(b_tok + kN + c * VEC), cc);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) {
+              st[r][j][v] = advance(st[r][j][v], dA[r], dtx[r], b[v]);
+              acc[r] = accumulate_y(acc[r], st[r][j][v], cc[v]);
+            }
+        }
+        const int32_t dst = __shfl_sync(kFullMask, window, kk);
+        if (dst >= 0) {
+          PoolT* const row = pool + (dst * s.pool_stride[0] + row_offset);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+            if (valid[r])
+#pragma unroll
+              for (int j = 0; j < KB; ++j)
+                store_chunk_streaming(row + r * pool_half + (j * kLanes + li) * VEC, narrow_chunk<VEC, PoolT>(st[r][j]));
+        }
+        row_sums(acc, kLanes);  // every lane of a row holds its sum; lane r of the row leaves row r's
+        if (li < kRows) y_sums[kk * kWindowedTileRows + row_in_warp + li * kRpw] = li == 0 ? acc[0] : acc[1];
+      }
+      __syncwarp();  // the window's y sums are in; no lane reads its B / C any more
+      finish_window(kw, n);
+      kw += kWindow;
+      if (kw >= count) break;
+      n = open_window(kw);  // (each lane rewrites only the scalars it has just read)
+    }
+  }
+}
+
 // Warps per block: 8, fewer when P is small (no warp without a row) or when there
 // are few (t, h) pairs (so that every multiprocessor gets some of the rows).
 // TORCH_SSD_CUDA_MULTI_WARPS=1..8 overrides it (tuning runs).
@@ -960,13 +1205,15 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_s
 // in time, 19 of 24 benchmark rows faster; staging every row was up to 13 % slower
 // than registers at K = 2 and 4 (a row's one or two stages leave their fixed cost
 // unpaid by the tokens).
-BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces) {
+// `windowed` (multi_step_windowed, rows of N = 128 only: `windowed_fits`) is a knob until measured.
+BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces, bool windowed_fits) {
   const bool widened_fits = pieces <= kWarp * kMaxWidePieces;
   if (const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_BC")) {
     const std::string v(env);
     if (v == "registers") return BcPath::kRegisters;
     if (v == "staged") return BcPath::kStaged;
     if (v == "widened" && widened_fits) return BcPath::kWidened;
+    if (v == "windowed" && windowed_fits) return BcPath::kWindowed;
   }
   if (widened_fits) return BcPath::kWidened;
   return tokens >= kWindow * rows ? BcPath::kStaged : BcPath::kRegisters;
@@ -1019,7 +1266,7 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   const int64_t token_bytes = 2 * d.N * static_cast<int64_t>(sizeof(InT));
   const int64_t piece_bytes = std::min<int64_t>(16, vec_of<PoolT>() * static_cast<int64_t>(sizeof(InT)));
   while ((piece_bytes << (L.row_pieces_log2 + 1)) <= d.N * static_cast<int64_t>(sizeof(InT))) ++L.row_pieces_log2;
-  const BcPath path = pick_bc_path(tokens, d.T, int64_t{2} << L.row_pieces_log2);
+  const BcPath path = pick_bc_path(tokens, d.T, int64_t{2} << L.row_pieces_log2, map.lanes == kWindowedLanes);
   L.rows_per_pass = lean_rows(path) * map.rows_per_warp();
   const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
   L.tiles = static_cast<int>(tiles);
@@ -1061,6 +1308,10 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
       launch_kernel(widened, grid, dim3(kWarp), smem, stream, use_pdl(), m, L);
       break;
     }
+    case BcPath::kWindowed:
+      launch_kernel(multi_step_windowed<PoolT, InT, KB>, grid, dim3(kWarp), windowed_smem<InT>(), stream, use_pdl(),
+                    m, L);
+      break;
     default:
       launch_kernel(multi_step_lean<PoolT, InT, KB, BcPath::kRegisters>, grid, dim3(kWarp), 0, stream,
                     use_pdl(), m, L);
