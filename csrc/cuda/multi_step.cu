@@ -430,6 +430,13 @@ constexpr int64_t kStageBytes = 4096;  // one stage of B / C in shared memory (t
 constexpr int kMaxWidePieces = 2;      // kWidened: pieces of B / C per lane and token
 constexpr int kStoreRowPad = 64;  // bulk stores: bytes between a row and the next in a store buffer (banks)
 
+// Bytes of one copy of B / C in the lean kernels (16 or 8): the alignment the host checks,
+// a chunk's bytes up to 16.
+template <typename PoolT, typename InT>
+constexpr int lean_piece_bytes() {
+  return RawChunk<vec_of<PoolT>(), InT>::kBytes >= 16 ? 16 : 8;
+}
+
 // The slots a window of kWindow tokens (from token kw of row t, which has `count` tokens)
 // writes, decided by the whole warp (every lane calls it with the same arguments): lane w
 // of each kWindow lanes gets token kw + w's slot as a 32-bit number (every addressable
@@ -551,7 +558,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   // one is read.
   extern __shared__ __align__(16) unsigned char lean_smem[];
   InT* const staged = reinterpret_cast<InT*>(lean_smem);
-  constexpr int kPieceBytes = RawChunk<VEC, InT>::kBytes >= 16 ? 16 : 8;  // one copy: the chunks' alignment
+  constexpr int kPieceBytes = lean_piece_bytes<PoolT, InT>();  // one copy: the chunks' alignment
   constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
   // Copies per B or C row (launch_lean's row_pieces_log2, the same rule).
   const int row_pieces_log2 =
@@ -922,13 +929,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 constexpr int kWindowedLanes = 4;                                           // lanes per row (N = 128)
 constexpr int kWindowedTileRows = 2 * kWarp / kWindowedLanes;               // rows per tile: 16
 constexpr int kWindowedPairsPerLane = kWindow * kWindowedTileRows / kWarp;  // (row, token) pairs: 4
-
-// Bytes of one 16- or 8-byte copy of B / C: the alignment the host checks (the chunk's,
-// at most 16 bytes), as in the lean kernel.
-template <typename PoolT, typename InT>
-constexpr int windowed_piece_bytes() {
-  return RawChunk<vec_of<PoolT>(), InT>::kBytes >= 16 ? 16 : 8;
-}
+constexpr int kWindowedPairTokenStep = kWarp / kWindowedTileRows;          // a lane's pairs: every 2nd token
 
 // Shared memory of multi_step_windowed: the window's raw B / C rows (token k's B row, then
 // its C row), then per (token, row) four float scalars, then per (token, row) y's sum.
@@ -950,7 +951,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
   constexpr int kRpw = kWarp / kLanes;  // rows per warp pass: row r of a thread is r * kRpw after its row 0
   constexpr int kN = kLanes * KB * VEC;
   static_assert(kN == 128, "multi_step_windowed: N = 128");
-  constexpr int kPieceBytes = windowed_piece_bytes<PoolT, InT>();
+  constexpr int kPieceBytes = lean_piece_bytes<PoolT, InT>();
   constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
   constexpr int kRowPieces = kN / kPieceElems;  // copies per B or C row
   const StepParams& s = m.step;
@@ -1016,7 +1017,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
     InT* const y_pair = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_pair * s.y_stride[2]);
     if (pad_row) {  // y = 0, the pool untouched
       if (pair_valid)
-        for (int k = k_pair; k < count; k += kWarp / kWindowedTileRows) y_pair[k * m.y_tok] = narrow<InT>(0.0f);
+        for (int k = k_pair; k < count; k += kWindowedPairTokenStep) y_pair[k * m.y_tok] = narrow<InT>(0.0f);
       continue;
     }
     const int64_t row_offset = s.pool_offset(0, h, p);  // row 0's, + slot * pool_stride[0]
@@ -1045,7 +1046,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
       float xv[kWindowedPairsPerLane], dtv[kWindowedPairsPerLane], zv[kWindowedPairsPerLane];
 #pragma unroll
       for (int u = 0; u < kWindowedPairsPerLane; ++u) {
-        const int kk = k_pair + u * (kWarp / kWindowedTileRows);
+        const int kk = k_pair + u * kWindowedPairTokenStep;
         const int k = kw + (kk < n ? kk : n - 1);
         xv[u] = widen(x_p[k * m.x_tok]);
         dtv[u] = widen(dt_p[k * m.dt_tok]);
@@ -1057,7 +1058,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
       const float a = s.A.at(h, p_pair);
 #pragma unroll
       for (int u = 0; u < kWindowedPairsPerLane; ++u) {
-        const int kk = k_pair + u * (kWarp / kWindowedTileRows);
+        const int kk = k_pair + u * kWindowedPairTokenStep;
         in.x = xv[u], in.dt = dtv[u], in.z = has_z ? zv[u] : 0.0f;
         const float dtc = channel_dt(s, in);
         scalars[kk * kWindowedTileRows + q_pair] =
@@ -1069,7 +1070,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
     auto finish_window = [&](int kw, int n) {
 #pragma unroll
       for (int u = 0; u < kWindowedPairsPerLane; ++u) {
-        const int kk = k_pair + u * (kWarp / kWindowedTileRows);
+        const int kk = k_pair + u * kWindowedPairTokenStep;
         if (!pair_valid || kk >= n) continue;
         const float4 sc = scalars[kk * kWindowedTileRows + q_pair];
         // finish_y's arithmetic, on the staged D * x and silu(z)
@@ -1205,7 +1206,8 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_s
 // in time, 19 of 24 benchmark rows faster; staging every row was up to 13 % slower
 // than registers at K = 2 and 4 (a row's one or two stages leave their fixed cost
 // unpaid by the tokens).
-// `windowed` (multi_step_windowed, rows of N = 128 only: `windowed_fits`) is a knob until measured.
+// `windowed` (multi_step_windowed, rows of N = 128 only: `windowed_fits`) is a knob: 2-4 % slower
+// than widened on an H100 (BENCHMARKS.md, thirty-third session).
 BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces, bool windowed_fits) {
   const bool widened_fits = pieces <= kWarp * kMaxWidePieces;
   if (const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_BC")) {
