@@ -1023,6 +1023,30 @@ def test_lean_multi_kernel_gives_the_block_kernels_bits(pool_dtype, dtype, n, K,
 
 
 @needs_cuda_kernels
+@pytest.mark.parametrize("per_token", (True, False), ids=("per_token", "per_row"))
+@pytest.mark.parametrize("K", (3, 11))
+def test_lean_multi_kernel_reads_int32_and_int64_tables_alike(K, per_token):
+    """The lean kernel's override scan (it skips a write that a later write to the same slot
+    overrides) reads the slot tables as they are stored: int64 and int32 tables, per-token (T, K) and
+    per-row (T,) destinations, each with a slot two rows share, give the reference's result
+    and the same bits."""
+    base = _lean_case("fixed", K, 128, torch.bfloat16, torch.bfloat16)
+    if not per_token:  # (T,): the rows' last tokens write; row T - 1 still shares row 0's slot
+        base["dst_slot_idx"] = base["dst_slot_idx"][:, 0].contiguous()
+    pool0 = base["ssm_pool"].clone()
+    y = torch.ops.ssd.decode_step_multi(*multi_args(base))
+    writes = check_fixed_against_reference(base, y, pool0)
+    T = base["x"].shape[0]
+    shared = int(base["dst_slot_idx"][T - 1].reshape(-1)[0])  # row 0 writes it too, first
+    assert writes[shared][0] == T - 1
+    narrow = dict(base, ssm_pool=pool0.clone())
+    for name in ("slot_idx", "dst_slot_idx"):
+        narrow[name] = base[name].to(torch.int32)
+    y32 = torch.ops.ssd.decode_step_multi(*multi_args(narrow))
+    assert torch.equal(y32, y) and torch.equal(narrow["ssm_pool"], base["ssm_pool"])
+
+
+@needs_cuda_kernels
 @pytest.mark.parametrize("form", ("fixed", "varlen"))
 def test_serving_inputs_take_the_lean_multi_kernel(form, monkeypatch):
     """The kernel names the profiler sees: the lean kernel by default, the block
