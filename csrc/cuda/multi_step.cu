@@ -478,6 +478,52 @@ __device__ __forceinline__ int32_t warp_window_dests(const MultiStepParams& m, i
   return (bits >> w) & 1u ? -1 : mine;
 }
 
+// What both lean multi-token kernels know of their warp before its tiles: its place in the
+// grid, its row's tokens and source slot, and where the row's inputs start.
+template <typename InT>
+struct LeanWarpRow {
+  LeanBlock at;     // head at.h, row at.row, tiles at.tile, + at.tiles, ...
+  uint32_t g;       // the head's B / C group
+  int64_t first;    // the row's token 0 on the token axis
+  int count;        // its tokens (32 bits: multi_into)
+  int64_t src;      // its source slot
+  bool pad_row;     // src is padding: y = 0, the pool untouched
+  const InT* B0;    // token 0's B row; token k's is k * m.B_tok on
+  const InT* C0;    // and its C row (m.C_tok)
+  // Element (token 0 of the row, head at.h, channel p) of x, dt, z or y; token k of the row
+  // is k token strides on.
+  __device__ __forceinline__ const InT* pair_in(const OperandRef& o, int64_t p) const {
+    return static_cast<const InT*>(o.data) + (first * o.stride[0] + at.h * o.stride[1] + p * o.stride[2]);
+  }
+};
+
+// The lean kernels' start: the warp's row, after waiting for the previous grid (programmatic
+// dependent launch) and letting the next one be scheduled. The varlen grid's extra row clears
+// its share of the unowned slots. False where the warp has nothing more to do (that extra
+// row, or a row without tokens).
+template <typename InT>
+__device__ __forceinline__ bool start_lean_warp(const MultiStepParams& m, const LeanMultiLaunch& L,
+                                                LeanWarpRow<InT>& row) {
+  const StepParams& s = m.step;
+  row.at = lean_block(L.tiles_inner);
+  row.g = row.at.h / L.heads_per_group;
+  wait_for_prior_grid();
+  allow_next_grid();
+  if (row.at.row == s.T) {  // varlen: the extra grid row
+    clear_unowned(m, row.at.h * row.at.tiles + row.at.tile, row.at.heads * row.at.tiles);
+    return false;
+  }
+  const RowTokens tokens = multi_row_tokens(m, row.at.row);
+  row.first = tokens.first;
+  row.count = static_cast<int>(tokens.count);
+  if (row.count == 0) return false;  // owns no token
+  row.src = multi_source_slot(m, row.at.row);
+  row.pad_row = !slot_addressable(row.src, s.S, s.pad_slot_id);
+  row.B0 = static_cast<const InT*>(s.B.data) + row.first * s.B.stride[0] + row.g * s.B.stride[1];
+  row.C0 = static_cast<const InT*>(s.C.data) + row.first * s.C.stride[0] + row.g * s.C.stride[1];
+  return true;
+}
+
 // How the lean kernel's B and C reach the token loop (pick_bc_path).
 enum class BcPath {
   kRegisters,  // each lane loads its own chunks, a token ahead, into registers and widens them
@@ -515,10 +561,6 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   static_assert(kLanes >= 0 && kLanes <= kWarp && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two");
   const int lanes_log2 = kLanes ? log2_of(kLanes) : map.lanes_log2;
   const int lanes = kLanes ? kLanes : map.lanes;  // (the run-time values straight from the parameters)
-  const LeanBlock at = lean_block(L.tiles_inner);
-  const uint32_t h = at.h, t = at.row;
-  const uint32_t group = at.tile, groups = at.tiles, heads = at.heads;  // this warp's tiles: group, + groups, ...
-  const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
   const int li = lane & (lanes - 1);
   const int rpw_log2 = 5 - lanes_log2;  // rows per warp: 32 / lanes
@@ -526,28 +568,18 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   const int q_own = lane & ((1 << rpw_log2) - 1);  // the row of this lane's (row, token) pairs
   const int k_lane = lane >> rpw_log2;              // its token in each group of `lanes` tokens
 
-  wait_for_prior_grid();
-  allow_next_grid();
-  if (t == s.T) {  // varlen: the extra grid row
-    clear_unowned(m, h * groups + group, heads * groups);
-    return;
-  }
-  const RowTokens tokens = multi_row_tokens(m, t);
+  LeanWarpRow<InT> warp_row;
+  if (!start_lean_warp(m, L, warp_row)) return;
+  const uint32_t h = warp_row.at.h, t = warp_row.at.row;
+  const uint32_t group = warp_row.at.tile, groups = warp_row.at.tiles;  // this warp's tiles: group, + groups, ...
   // Token and channel numbers in 32 bits (multi_into: tokens and P below 2^30).
-  const int64_t first = tokens.first;
-  const int count = static_cast<int>(tokens.count);
+  const int64_t first = warp_row.first, src = warp_row.src;
+  const int count = warp_row.count;
   const int P = static_cast<int>(s.P);
-  if (count == 0) return;  // owns no token
-  const int64_t src = multi_source_slot(m, t);
-  const bool pad_row = !slot_addressable(src, s.S, s.pad_slot_id);
-  // Element (token 0 of this row, head h, channel p) of x, dt, z or y; token k of the
-  // row is k token strides on.
-  auto pair_in = [&](const OperandRef& o, int64_t p) {
-    return static_cast<const InT*>(o.data) + (first * o.stride[0] + h * o.stride[1] + p * o.stride[2]);
-  };
+  const bool pad_row = warp_row.pad_row;
   PoolT* pool = static_cast<PoolT*>(s.pool);
-  const InT* B0 = static_cast<const InT*>(s.B.data) + first * s.B.stride[0] + g * s.B.stride[1];
-  const InT* C0 = static_cast<const InT*>(s.C.data) + first * s.C.stride[0] + g * s.C.stride[1];
+  const InT* const B0 = warp_row.B0;
+  const InT* const C0 = warp_row.C0;
 
   // Lane w (of each kWindow lanes) gets the slot token kw + w writes, or -1.
   auto window_dests = [&](int kw) { return warp_window_dests(m, t, count, kw, lane); };
@@ -723,13 +755,13 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     ChannelInputs in[kRows];  // the pairs' inputs
     float a_own[kRows];
     float nx[kRows], ndt[kRows], nz[kRows];  // x, dt, z of the pairs' next token (clamped to the row)
-    const InT* const x_own = pair_in(s.x, p_own);
-    const InT* const dt_own = pair_in(s.dt, p_own);
+    const InT* const x_own = warp_row.pair_in(s.x, p_own);
+    const InT* const dt_own = warp_row.pair_in(s.dt, p_own);
     // Without z its loads read x's first element (an absent operand's strides and z_tok
     // are 0) and the value is dropped: no branch around them, so a group's loads go out
     // together (a load and its conversion under `if (z)` made the warp wait for it there).
     const bool has_z = s.z.present();
-    const InT* const z_own = has_z ? pair_in(s.z, p_own) : x_own;
+    const InT* const z_own = has_z ? warp_row.pair_in(s.z, p_own) : x_own;
     auto load_pair = [&](int k) {
       const int kr = k < count ? k : count - 1;
 #pragma unroll
@@ -955,36 +987,23 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
   constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
   constexpr int kRowPieces = kN / kPieceElems;  // copies per B or C row
   const StepParams& s = m.step;
-  const LeanBlock at = lean_block(L.tiles_inner);
-  const uint32_t h = at.h, t = at.row;
-  const uint32_t group = at.tile, groups = at.tiles, heads = at.heads;  // this warp's tiles: group, + groups, ...
-  const uint32_t g = h / L.heads_per_group;
   const int lane = threadIdx.x & (kWarp - 1);
   const int li = lane & (kLanes - 1);
   const int row_in_warp = lane / kLanes;
   const int q_pair = lane % kWindowedTileRows;  // the tile row of this lane's pairs
   const int k_pair = lane / kWindowedTileRows;  // its first token of a window (then + 2, + 4, + 6)
 
-  wait_for_prior_grid();
-  allow_next_grid();
-  if (t == s.T) {  // varlen: the extra grid row
-    clear_unowned(m, h * groups + group, heads * groups);
-    return;
-  }
-  const RowTokens tokens = multi_row_tokens(m, t);
-  const int64_t first = tokens.first;
-  const int count = static_cast<int>(tokens.count);
+  LeanWarpRow<InT> warp_row;
+  if (!start_lean_warp(m, L, warp_row)) return;
+  const uint32_t h = warp_row.at.h, t = warp_row.at.row;
+  const uint32_t group = warp_row.at.tile, groups = warp_row.at.tiles;  // this warp's tiles: group, + groups, ...
+  const int64_t first = warp_row.first, src = warp_row.src;
+  const int count = warp_row.count;
   const int P = static_cast<int>(s.P);
-  if (count == 0) return;  // owns no token
-  const int64_t src = multi_source_slot(m, t);
-  const bool pad_row = !slot_addressable(src, s.S, s.pad_slot_id);
+  const bool pad_row = warp_row.pad_row;
   PoolT* const pool = static_cast<PoolT*>(s.pool);
-  const InT* const B0 = static_cast<const InT*>(s.B.data) + first * s.B.stride[0] + g * s.B.stride[1];
-  const InT* const C0 = static_cast<const InT*>(s.C.data) + first * s.C.stride[0] + g * s.C.stride[1];
-  // Element (token 0 of this row, head h, channel p) of x, dt, z or y.
-  auto pair_in = [&](const OperandRef& o, int64_t p) {
-    return static_cast<const InT*>(o.data) + (first * o.stride[0] + h * o.stride[1] + p * o.stride[2]);
-  };
+  const InT* const B0 = warp_row.B0;
+  const InT* const C0 = warp_row.C0;
   const int32_t first_window = pad_row ? -1 : warp_window_dests(m, t, count, 0, lane);
 
   extern __shared__ __align__(16) unsigned char lean_smem[];
@@ -1039,10 +1058,10 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
     auto open_window = [&](int kw) {
       const int n = count - kw < kWindow ? count - kw : kWindow;
       if (!bc_kept) copy_bc(kw, n);
-      const InT* const x_p = pair_in(s.x, p_pair);
-      const InT* const dt_p = pair_in(s.dt, p_pair);
+      const InT* const x_p = warp_row.pair_in(s.x, p_pair);
+      const InT* const dt_p = warp_row.pair_in(s.dt, p_pair);
       const bool has_z = s.z.present();
-      const InT* const z_p = has_z ? pair_in(s.z, p_pair) : x_p;  // (no branch around the loads)
+      const InT* const z_p = has_z ? warp_row.pair_in(s.z, p_pair) : x_p;  // (no branch around the loads)
       float xv[kWindowedPairsPerLane], dtv[kWindowedPairsPerLane], zv[kWindowedPairsPerLane];
 #pragma unroll
       for (int u = 0; u < kWindowedPairsPerLane; ++u) {
