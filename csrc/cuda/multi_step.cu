@@ -495,6 +495,10 @@ struct LeanWarpRow {
   __device__ __forceinline__ const InT* pair_in(const OperandRef& o, int64_t p) const {
     return static_cast<const InT*>(o.data) + (first * o.stride[0] + at.h * o.stride[1] + p * o.stride[2]);
   }
+  // The same element of y.
+  __device__ __forceinline__ InT* y_at(const StepParams& s, int64_t p) const {
+    return static_cast<InT*>(s.y) + (first * s.y_stride[0] + at.h * s.y_stride[1] + p * s.y_stride[2]);
+  }
 };
 
 // The lean kernels' start: the warp's row, after waiting for the previous grid (programmatic
@@ -573,17 +577,13 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   const uint32_t h = warp_row.at.h, t = warp_row.at.row;
   const uint32_t group = warp_row.at.tile, groups = warp_row.at.tiles;  // this warp's tiles: group, + groups, ...
   // Token and channel numbers in 32 bits (multi_into: tokens and P below 2^30).
-  const int64_t first = warp_row.first, src = warp_row.src;
   const int count = warp_row.count;
   const int P = static_cast<int>(s.P);
-  const bool pad_row = warp_row.pad_row;
   PoolT* pool = static_cast<PoolT*>(s.pool);
-  const InT* const B0 = warp_row.B0;
-  const InT* const C0 = warp_row.C0;
 
   // Lane w (of each kWindow lanes) gets the slot token kw + w writes, or -1.
   auto window_dests = [&](int kw) { return warp_window_dests(m, t, count, kw, lane); };
-  const int32_t first_window = pad_row ? -1 : window_dests(0);
+  const int32_t first_window = warp_row.pad_row ? -1 : window_dests(0);
 
   // kStaged: B and C reach the token loop through shared memory, a stage of tokens
   // at a time: two buffers, the next stage's copies (cp.async) in flight while this
@@ -613,7 +613,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       const int row = i >> row_pieces_log2;  // 2 * token + (0: B, 1: C)
       const int piece = i & ((1 << row_pieces_log2) - 1);
       const int k = k0 + (row >> 1);
-      const InT* src = (row & 1 ? C0 + k * m.C_tok : B0 + k * m.B_tok) + piece * kPieceElems;
+      const InT* src = (row & 1 ? warp_row.C0 + k * m.C_tok : warp_row.B0 + k * m.B_tok) + piece * kPieceElems;
       stage_bytes_async<kPieceBytes>(src, buf + row * n_row + piece * kPieceElems);
     }
     stage_commit();
@@ -639,7 +639,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     for (int i = 0; i < kMaxWidePieces; ++i) {
       const int piece = lane + i * kWarp;
       piece_of_c[i] = (piece >> row_pieces_log2) != 0;
-      piece_at[i] = (piece_of_c[i] ? C0 : B0) + (piece & ((1 << row_pieces_log2) - 1)) * kPieceElems;
+      piece_at[i] = (piece_of_c[i] ? warp_row.C0 : warp_row.B0) + (piece & ((1 << row_pieces_log2) - 1)) * kPieceElems;
     }
   };
   auto load_pieces = [&]() {  // the next token's pieces into registers
@@ -701,9 +701,9 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
       valid[r] = p_any + r * rpw < P;
       own_valid[r] = p_own_any + r * rpw < P;
     }
-    InT* const y_own = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_own * s.y_stride[2]);
+    InT* const y_own = warp_row.y_at(s, p_own);
     auto y_half = [&](int r) { return half_at(y_own, s.y_stride[2], r, own_valid[r]); };
-    if (pad_row) {  // y = 0, the pool untouched
+    if (warp_row.pad_row) {  // y = 0, the pool untouched
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
         if (own_valid[r])
@@ -721,7 +721,7 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 #pragma unroll
         for (int j = 0; j < KB; ++j) raw[r][j] = valid[r] ? next_chunk(r, j) : make_uint4(0, 0, 0, 0);
     } else {
-      const PoolT* row = pool + (src * s.pool_stride[0] + row_offset);
+      const PoolT* row = pool + (warp_row.src * s.pool_stride[0] + row_offset);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -732,8 +732,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
 
     // While the rows are in flight: token 0's B and C (or their first stage), the
     // pairs' constant inputs, the first group's inputs.
-    const InT* b_next = B0;  // the next token's B and C in global memory (kRegisters)
-    const InT* c_next = C0;
+    const InT* b_next = warp_row.B0;  // the next token's B and C in global memory (kRegisters)
+    const InT* c_next = warp_row.C0;
     RawChunk<VEC, InT> nb[kRegisters ? KB : 1], nc[kRegisters ? KB : 1];  // their chunks (kRegisters)
     auto load_bc = [&]() {
 #pragma unroll
@@ -791,7 +791,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
     next_ready = false;
     if (kNextRows && tile + groups < L.tiles) {
       const int p_next_any = (tile + static_cast<int>(groups)) * L.rows_per_pass + row_in_warp;
-      const PoolT* row = pool + (src * s.pool_stride[0] + s.pool_offset(0, h, p_next_any < P ? p_next_any : 0));
+      const PoolT* row =
+          pool + (warp_row.src * s.pool_stride[0] + s.pool_offset(0, h, p_next_any < P ? p_next_any : 0));
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
         if (p_next_any + r * rpw < P)
@@ -997,14 +998,10 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
   if (!start_lean_warp(m, L, warp_row)) return;
   const uint32_t h = warp_row.at.h, t = warp_row.at.row;
   const uint32_t group = warp_row.at.tile, groups = warp_row.at.tiles;  // this warp's tiles: group, + groups, ...
-  const int64_t first = warp_row.first, src = warp_row.src;
   const int count = warp_row.count;
   const int P = static_cast<int>(s.P);
-  const bool pad_row = warp_row.pad_row;
   PoolT* const pool = static_cast<PoolT*>(s.pool);
-  const InT* const B0 = warp_row.B0;
-  const InT* const C0 = warp_row.C0;
-  const int32_t first_window = pad_row ? -1 : warp_window_dests(m, t, count, 0, lane);
+  const int32_t first_window = warp_row.pad_row ? -1 : warp_window_dests(m, t, count, 0, lane);
 
   extern __shared__ __align__(16) unsigned char lean_smem[];
   InT* const bc = reinterpret_cast<InT*>(lean_smem);
@@ -1017,7 +1014,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
       const int row = i / kRowPieces;  // 2 * token + (0: B, 1: C)
       const int piece = i - row * kRowPieces;
       const int k = kw + (row >> 1);
-      const InT* from = (row & 1 ? C0 + k * m.C_tok : B0 + k * m.B_tok) + piece * kPieceElems;
+      const InT* from = (row & 1 ? warp_row.C0 + k * m.C_tok : warp_row.B0 + k * m.B_tok) + piece * kPieceElems;
       stage_bytes_async<kPieceBytes>(from, bc + row * kN + piece * kPieceElems);
     }
     stage_commit();
@@ -1033,8 +1030,8 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
     for (int r = 0; r < kRows; ++r) valid[r] = p_any + r * kRpw < P;
     const bool pair_valid = p0 + q_pair < P;
     const int p_pair = pair_valid ? p0 + q_pair : p0;
-    InT* const y_pair = static_cast<InT*>(s.y) + (first * s.y_stride[0] + h * s.y_stride[1] + p_pair * s.y_stride[2]);
-    if (pad_row) {  // y = 0, the pool untouched
+    InT* const y_pair = warp_row.y_at(s, p_pair);
+    if (warp_row.pad_row) {  // y = 0, the pool untouched
       if (pair_valid)
         for (int k = k_pair; k < count; k += kWindowedPairTokenStep) y_pair[k * m.y_tok] = narrow<InT>(0.0f);
       continue;
@@ -1043,7 +1040,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
     const int64_t pool_half = kRpw * s.pool_stride[2];
     uint4 raw[kRows][KB];
     {
-      const PoolT* row = pool + (src * s.pool_stride[0] + row_offset);
+      const PoolT* row = pool + (warp_row.src * s.pool_stride[0] + row_offset);
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
