@@ -547,10 +547,10 @@ constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ?
 // Launch bounds: kWidened (two rows: 64 state floats) 12 warps per multiprocessor, 168
 // registers, no spill at sm_90; the next step up is 16 warps at 128 registers (any bound of
 // 13-16 gives a one-warp block 128), where it spills ~200 bytes and ran 11-12 % slower on an
-// H100 (BENCHMARKS.md, thirty-fifth session). The others (one row): 16 warps (128 registers)
-// where the inputs are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take
-// more for their B / C chunks; a cap of 96 registers spilled more and ran 5-30 % slower
-// (BENCHMARKS.md, 2026-12-01).
+// H100, 3-4 % with its registers trimmed to 66 bytes of spills (BENCHMARKS.md, thirty-fifth
+// session). The others (one row): 16 warps (128 registers) where the inputs are 16-bit (0-92
+// bytes spill, outside the token loop), float32 inputs take more for their B / C chunks; a
+// cap of 96 registers spilled more and ran 5-30 % slower (BENCHMARKS.md, 2026-12-01).
 template <typename PoolT, typename InT, int KB, BcPath kBc, bool kNextRows = false, int kLanes = 0>
 __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
                                   kBc == BcPath::kWidened ? lean_warps_per_sm(kBc) : (sizeof(InT) == 2 ? 2 : 1))
