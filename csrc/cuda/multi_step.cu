@@ -549,9 +549,10 @@ constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ?
 // 13-16 gives a one-warp block 128), where it spills ~200 bytes and ran 11-12 % slower on an
 // H100, 3-4 % with its registers trimmed to 66 bytes of spills (BENCHMARKS.md, thirty-fifth
 // session); half rows (8 lanes of 16 elements: 16 warps with no spill) 1.9 % slower
-// (thirty-seventh session). The others (one row): 16 warps (128 registers) where the inputs are 16-bit (0-92
-// bytes spill, outside the token loop), float32 inputs take more for their B / C chunks; a
-// cap of 96 registers spilled more and ran 5-30 % slower (BENCHMARKS.md, 2026-12-01).
+// (thirty-seventh session). The others (one row): 16 warps (128 registers) where the inputs
+// are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take more for their
+// B / C chunks; a cap of 96 registers spilled more and ran 5-30 % slower (BENCHMARKS.md,
+// 2026-12-01).
 template <typename PoolT, typename InT, int KB, BcPath kBc, bool kNextRows = false, int kLanes = 0>
 __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
                                   kBc == BcPath::kWidened ? lean_warps_per_sm(kBc) : (sizeof(InT) == 2 ? 2 : 1))
@@ -1204,8 +1205,8 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
 // wherever one tile per warp fills kMinWaves waves: with the next tile's rows copied
 // during this one (pick_next_rows), 5-14 % faster at T = 16 on an H200 (1.6 and 2.6 waves
 // of two tiles against 3.2 and 5.2 of one; BENCHMARKS.md, thirteenth session); float32
-// pools measured up to 4 % slower; four at T = 16 (bfloat16, an H100) 6-12 % slower (thirty-seventh
-// session).
+// pools measured up to 4 % slower; four at T = 16 (bfloat16, an H100) 6-12 % slower
+// (thirty-seventh session).
 int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm, bool at_least_two) {
   const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
   const int forced = env ? std::atoi(env) : 0;
