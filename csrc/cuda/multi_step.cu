@@ -549,7 +549,8 @@ constexpr int lean_warps_per_sm(BcPath path) { return path == BcPath::kWidened ?
 // 13-16 gives a one-warp block 128), where it spills ~200 bytes and ran 11-12 % slower on an
 // H100, 3-4 % with its registers trimmed to 66 bytes of spills (BENCHMARKS.md, thirty-fifth
 // session); half rows (8 lanes of 16 elements: 16 warps with no spill) 1.9 % slower
-// (thirty-seventh session). The others (one row): 16 warps (128 registers) where the inputs
+// (thirty-seventh session); one row per thread at 16 / 20 / 24 warps 2-5 / 9 / 20-31 %
+// slower (thirty-eighth session). The others (one row): 16 warps (128 registers) where the inputs
 // are 16-bit (0-92 bytes spill, outside the token loop), float32 inputs take more for their
 // B / C chunks; a cap of 96 registers spilled more and ran 5-30 % slower (BENCHMARKS.md,
 // 2026-12-01).
