@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -42,6 +43,35 @@ constexpr int kWarp = 32;
 constexpr int kMaxThreads = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kChunksPerBatch = 8;  // independent 16-byte loads per thread in flight
+
+// Launch knobs (TORCH_SSD_CUDA_*: comparisons, tuning sweeps and tests) are read from the
+// environment on every call, so that one process can compare settings. Every knob goes
+// through these three readers; a value they do not accept leaves the default.
+
+// An on / off knob: environment variable `name` = "1" / "0" forces it on / off, anything
+// else (or unset) leaves `by_default`.
+inline bool env_switch(const char* name, bool by_default) {
+  const char* env = std::getenv(name);
+  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return by_default;
+}
+
+// A numeric knob: the value of `name` when it is a whole decimal number in [lo, hi];
+// nothing when unset, not a number or out of range.
+inline std::optional<int> env_int(const char* name, int lo, int hi) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return std::nullopt;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || v < lo || v > hi) return std::nullopt;
+  return static_cast<int>(v);
+}
+
+// A knob naming a choice: whether `name` is set to exactly `value`.
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) == value;
+}
 
 // Elements of T in one 16-byte access.
 template <typename T>
@@ -93,11 +123,8 @@ constexpr int kMaxChunksPerLaneKnob = 8;
 
 template <typename PoolT>
 inline RowMap step_row_map(int64_t n) {
-  int per_batch = step_chunks_per_batch<PoolT>();
-  if (const char* env = std::getenv("TORCH_SSD_CUDA_CHUNKS")) {
-    const int v = std::atoi(env);
-    if (v >= 1 && v <= kMaxChunksPerLaneKnob) per_batch = v;
-  }
+  const int per_batch =
+      env_int("TORCH_SSD_CUDA_CHUNKS", 1, kMaxChunksPerLaneKnob).value_or(step_chunks_per_batch<PoolT>());
   return make_row_map(n, vec_of<PoolT>(), per_batch);
 }
 
@@ -165,25 +192,13 @@ inline bool device_is_sm90() {
   return major[device] >= 9;
 }
 
-// An on / off launch knob (read on every call, so one process can compare both):
-// environment variable `name` = "1" / "0" forces it on / off, anything else (or unset)
-// leaves `by_default`.
-inline bool env_switch(const char* name, bool by_default) {
-  const char* env = std::getenv(name);
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return by_default;
-}
-
 // Programmatic dependent launch (sm_90+): a kernel launched with it may be
 // scheduled while the kernel before it in the stream finishes, and waits for that
 // kernel's results (wait_for_prior_grid) only where it first reads or writes global
 // memory -- what it hides is the launch gap between back-to-back steps. On by default
 // where the device has it; TORCH_SSD_CUDA_PDL=0 turns it off (read on every call).
 inline bool use_pdl() {
-  if (const char* env = std::getenv("TORCH_SSD_CUDA_PDL")) {
-    if (env[0] == '0') return false;
-  }
-  return device_is_sm90();
+  return env_switch("TORCH_SSD_CUDA_PDL", true) && device_is_sm90();
 }
 
 // Launch `kernel` on `stream`, with programmatic dependent launch when pdl is set
@@ -220,8 +235,7 @@ void allow_smem(Kernel kernel, size_t bytes) {
 
 // TORCH_SSD_CUDA_KERNEL=block / =pipe turn the lean kernels off (comparisons, tests).
 inline bool want_lean() {
-  const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
-  return !(env && (std::string(env) == "block" || std::string(env) == "pipe"));
+  return !env_is("TORCH_SSD_CUDA_KERNEL", "block") && !env_is("TORCH_SSD_CUDA_KERNEL", "pipe");
 }
 
 inline bool same_type(std::initializer_list<at::Tensor> tensors, const at::Tensor& like) {

@@ -761,9 +761,7 @@ __global__ void __launch_bounds__(kSharedBC ? kWarp : kMaxThreads,
 // Warps per block. TORCH_SSD_CUDA_WARPS=1..8 overrides the heuristic (for tuning
 // runs; read on every call so that one process can sweep it).
 int pick_warps(const Dims& d, const RowMap& m, int elem_size) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_WARPS");
-  const int forced = env ? std::atoi(env) : 0;
-  if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
+  if (const auto forced = env_int("TORCH_SSD_CUDA_WARPS", 1, kMaxThreads / kWarp)) return *forced;
   // Large steps: big blocks. Small ones (few (t, h) pairs, e.g. T = 1): smaller
   // blocks, so that every multiprocessor gets some of the rows.
   const int rpw = m.rows_per_warp();
@@ -802,17 +800,14 @@ void launch(const StepParams& s, StepLaunch L, int W, cudaStream_t stream) {
 // TORCH_SSD_CUDA_KERNEL=block / =pipe forces one (for comparisons; the pipelined one
 // only where it applies).
 bool want_pipelined(Dtype pool_dtype) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_KERNEL");
-  if (env && std::string(env) == "block") return false;
-  if (env && std::string(env) == "pipe") return true;
+  if (env_is("TORCH_SSD_CUDA_KERNEL", "block")) return false;
+  if (env_is("TORCH_SSD_CUDA_KERNEL", "pipe")) return true;
   return pool_dtype != Dtype::kFloat32;
 }
 
 // Warps per block of the pipelined kernel (TORCH_SSD_CUDA_PIPE_WARPS=1..8 overrides).
 int pick_pipe_warps(const Dims& d, const RowMap& m) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_PIPE_WARPS");
-  const int forced = env ? std::atoi(env) : 0;
-  if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
+  if (const auto forced = env_int("TORCH_SSD_CUDA_PIPE_WARPS", 1, kMaxThreads / kWarp)) return *forced;
   int w = 4;
   while (w > 1 && (w / 2) * m.rows_per_warp() >= d.P) w /= 2;  // no warp without a row
   return w;
@@ -828,9 +823,7 @@ size_t pipe_smem_bytes(int stages, int threads, int n) {
 // by default: three measured 1-4 points of copy bandwidth slower on an H200
 // (fewer resident blocks; BENCHMARKS.md).
 int pick_pipe_stages() {
-  const char* env = std::getenv("TORCH_SSD_CUDA_PIPE_STAGES");
-  const int forced = env ? std::atoi(env) : 0;
-  return forced == 2 || forced == 3 ? forced : 2;
+  return env_int("TORCH_SSD_CUDA_PIPE_STAGES", 2, 3).value_or(2);
 }
 
 // Whether the pipelined kernel covers this call (see its comment).
@@ -861,9 +854,7 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
   // operation: safe under graph capture). TORCH_SSD_CUDA_BPSM caps it.
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  const char* env = std::getenv("TORCH_SSD_CUDA_BPSM");
-  const int cap = env ? std::atoi(env) : 0;
-  if (cap >= 1 && cap < per_sm) per_sm = cap;
+  if (const auto cap = env_int("TORCH_SSD_CUDA_BPSM", 1, per_sm)) per_sm = *cap;
   const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * num_sms();
   // As many blocks as fit at once, each with a near-equal share of the items.
   const int64_t rounds = (items + resident - 1) / resident;
@@ -884,8 +875,7 @@ void launch_pipelined(const Dims& d, const StepParams& s, const RowMap& map, int
 //   float32 pools 2 (T = 1 under graph replay 0.4-1.1 us less per step than 1; level
 //   with 4 elsewhere, and 1 was 4-6 points behind at T = 256).
 int pick_lean_rows(const Dims& d, int elem_size) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_LEAN_ROWS");
-  const int forced = env ? std::atoi(env) : 0;
+  const int forced = env_int("TORCH_SSD_CUDA_LEAN_ROWS", 1, 4).value_or(0);
   if (forced == 1 || forced == 2 || forced == 4) return forced;
   if (elem_size == 4) return 2;
   return lean_rows_per_sm(d) > 800 ? 4 : 2;
@@ -899,9 +889,7 @@ int pick_lean_rows(const Dims& d, int elem_size) {
 // pools at T = 256 ("2026-12-01, sixth session"): 2 warps 1.4-1.6 points above 1 (T = 64:
 // 0.0-1.5 above; T = 16, under 1000 rows per multiprocessor: 1.0-1.9 below).
 int pick_lean_warps(const Dims& d, int elem_size) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_WARPS");
-  const int forced = env ? std::atoi(env) : 0;
-  if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
+  if (const auto forced = env_int("TORCH_SSD_CUDA_WARPS", 1, kMaxThreads / kWarp)) return *forced;
   return elem_size == 4 && lean_rows_per_sm(d) > 2000 ? 2 : 1;
 }
 
@@ -933,9 +921,7 @@ bool pick_prefetch(int64_t blocks, int per_sm) {
 // faster on every T = 1 benchmark case (the indexed one and both: one case level or
 // slower).
 uint8_t pick_touch_params(bool whole_grid) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_TOUCH_PARAMS");
-  if (env && env[0] >= '0' && env[0] <= '3' && env[1] == '\0') return static_cast<uint8_t>(env[0] - '0');
-  return whole_grid ? 2 : 0;
+  return static_cast<uint8_t>(env_int("TORCH_SSD_CUDA_TOUCH_PARAMS", 0, 3).value_or(whole_grid ? 2 : 0));
 }
 
 // Whether the lean kernel issues its first rows' loads from the slot index read before
@@ -945,9 +931,7 @@ uint8_t pick_touch_params(bool whole_grid) {
 // bandwidth lost. TORCH_SSD_CUDA_SPECULATE=0 / 1 forces it off / on; 2 guesses the wrong
 // slot on purpose (tests of the reload).
 uint8_t pick_speculate(bool whole_grid) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_SPECULATE");
-  if (env && env[0] >= '0' && env[0] <= '2' && env[1] == '\0') return static_cast<uint8_t>(env[0] - '0');
-  return whole_grid ? 1 : 0;
+  return static_cast<uint8_t>(env_int("TORCH_SSD_CUDA_SPECULATE", 0, 2).value_or(whole_grid ? 1 : 0));
 }
 
 template <typename PoolT, typename InT, int kRows, int KB, bool kSharedBC = false>

@@ -437,6 +437,13 @@ constexpr int lean_piece_bytes() {
   return RawChunk<vec_of<PoolT>(), InT>::kBytes >= 16 ? 16 : 8;
 }
 
+// Copies per B or C row of row_bytes (N * sizeof(InT)) in pieces of piece_bytes: 1 << this.
+// One rule for the host (LeanMultiLaunch::row_pieces_log2) and the fixed-lane kernels,
+// which fold it into a constant.
+constexpr int row_pieces_log2_of(int64_t row_bytes, int piece_bytes) {
+  return log2_of(static_cast<int>(row_bytes / piece_bytes));
+}
+
 // The slots a window of kWindow tokens (from token kw of row t, which has `count` tokens)
 // writes, decided by the whole warp (every lane calls it with the same arguments): lane w
 // of each kWindow lanes gets token kw + w's slot as a 32-bit number (every addressable
@@ -597,9 +604,8 @@ __global__ void __launch_bounds__(kBc == BcPath::kWidened ? kWarp : kMaxThreads,
   InT* const staged = reinterpret_cast<InT*>(lean_smem);
   constexpr int kPieceBytes = lean_piece_bytes<PoolT, InT>();  // one copy: the chunks' alignment
   constexpr int kPieceElems = kPieceBytes / static_cast<int>(sizeof(InT));
-  // Copies per B or C row (launch_lean's row_pieces_log2, the same rule).
-  const int row_pieces_log2 =
-      kLanes ? log2_of(kLanes * KB * VEC * static_cast<int>(sizeof(InT)) / kPieceBytes) : L.row_pieces_log2;
+  const int row_pieces_log2 = kLanes ? row_pieces_log2_of(kLanes * KB * VEC * sizeof(InT), kPieceBytes)
+                                     : L.row_pieces_log2;
   const int n_row = lanes * KB * VEC;  // N: a lean row splits evenly over its lanes
   const int stage_tokens = 1 << L.stage_log2;
   // Token k's staged B row (its C row follows it).
@@ -1162,9 +1168,7 @@ __global__ void __launch_bounds__(kWarp, lean_warps_per_sm(BcPath::kWindowed))  
 // are few (t, h) pairs (so that every multiprocessor gets some of the rows).
 // TORCH_SSD_CUDA_MULTI_WARPS=1..8 overrides it (tuning runs).
 int multi_warps(const Dims& d, const RowMap& map) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_WARPS");
-  const int forced = env ? std::atoi(env) : 0;
-  if (forced >= 1 && forced <= kMaxThreads / kWarp) return forced;
+  if (const auto forced = env_int("TORCH_SSD_CUDA_MULTI_WARPS", 1, kMaxThreads / kWarp)) return *forced;
   const int rpw = map.rows_per_warp();
   const int64_t want = 2 * static_cast<int64_t>(num_sms());
   int w = kMaxThreads / kWarp;
@@ -1209,9 +1213,8 @@ void launch(const MultiStepParams& m, const MultiLaunch& L, int W, size_t smem, 
 // pools measured up to 4 % slower; four at T = 16 (bfloat16, an H100) 6-12 % slower
 // (thirty-seventh session).
 int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_sm, bool at_least_two) {
-  const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_TILES");
-  const int forced = env ? std::atoi(env) : 0;
-  if (forced >= 1 && forced <= 64) return static_cast<int>(std::min<int64_t>(forced, tiles));
+  if (const auto forced = env_int("TORCH_SSD_CUDA_MULTI_TILES", 1, 64))
+    return static_cast<int>(std::min<int64_t>(*forced, tiles));
   constexpr int64_t kMinWaves = 3;
   const int64_t slots = warps_per_sm * static_cast<int64_t>(num_sms());
   int per = 1;
@@ -1232,13 +1235,11 @@ int pick_multi_tiles(int64_t warps_one_tile_each, int64_t tiles, int warps_per_s
 // than widened on an H100 (BENCHMARKS.md, thirty-third session).
 BcPath pick_bc_path(int64_t tokens, int64_t rows, int64_t pieces, bool windowed_fits) {
   const bool widened_fits = pieces <= kWarp * kMaxWidePieces;
-  if (const char* env = std::getenv("TORCH_SSD_CUDA_MULTI_BC")) {
-    const std::string v(env);
-    if (v == "registers") return BcPath::kRegisters;
-    if (v == "staged") return BcPath::kStaged;
-    if (v == "widened" && widened_fits) return BcPath::kWidened;
-    if (v == "windowed" && windowed_fits) return BcPath::kWindowed;
-  }
+  constexpr const char* kKnob = "TORCH_SSD_CUDA_MULTI_BC";
+  if (env_is(kKnob, "registers")) return BcPath::kRegisters;
+  if (env_is(kKnob, "staged")) return BcPath::kStaged;
+  if (env_is(kKnob, "widened") && widened_fits) return BcPath::kWidened;
+  if (env_is(kKnob, "windowed") && windowed_fits) return BcPath::kWindowed;
   if (widened_fits) return BcPath::kWidened;
   return tokens >= kWindow * rows ? BcPath::kStaged : BcPath::kRegisters;
 }
@@ -1288,8 +1289,7 @@ void launch_lean(const Dims& d, const MultiStepParams& m, const RowMap& map, int
   L.map = map;
   L.heads_per_group = static_cast<uint32_t>(d.H / d.G);
   const int64_t token_bytes = 2 * d.N * static_cast<int64_t>(sizeof(InT));
-  const int64_t piece_bytes = std::min<int64_t>(16, vec_of<PoolT>() * static_cast<int64_t>(sizeof(InT)));
-  while ((piece_bytes << (L.row_pieces_log2 + 1)) <= d.N * static_cast<int64_t>(sizeof(InT))) ++L.row_pieces_log2;
+  L.row_pieces_log2 = row_pieces_log2_of(d.N * static_cast<int64_t>(sizeof(InT)), lean_piece_bytes<PoolT, InT>());
   const BcPath path = pick_bc_path(tokens, d.T, int64_t{2} << L.row_pieces_log2, map.lanes == kWindowedLanes);
   L.rows_per_pass = lean_rows(path) * map.rows_per_warp();
   const int64_t tiles = (d.P + L.rows_per_pass - 1) / L.rows_per_pass;
